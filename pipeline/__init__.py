@@ -1,0 +1,1 @@
+"""rollstream: asynchronous rollout pipeline for group-based RL over Redis Streams."""

@@ -1,0 +1,116 @@
+"""Per-rollout rewards and advantages of one group (GRPO and its family).
+
+`group_advantages(statuses, rewards, estimator=..., truncation=...)` returns, for each
+rollout of a group, the reward it trains on, its advantage and whether it trains at all.
+
+Rewards by status (the admission rules of `pipeline.scheduler`):
+
+- COMPLETED trains on its verifier reward; a COMPLETED rollout without one is an error.
+- AGENT_ERROR trains on its reward; a missing reward counts as 0.0 (the agent failed).
+- TRUNCATED follows `truncation`:
+  - ``mask`` (default): the rollout stays in the group (its tokens are packed, so the
+    group keeps its shape) but it does not train: its loss mask is all False, its advantage
+    is 0 and it does not enter the group baseline. Agentic limits (context, turns, wall
+    clock) say nothing about the policy's answer, so the rollout neither scores nor shifts
+    its siblings' baseline.
+  - ``score``: trains on its verifier reward like a completed rollout (single-turn RLVR);
+    a truncation without a reward is an error here (the scheduler resubmits those).
+  - ``zero``: trains with reward 0.0, a length penalty.
+- INFRA_ERROR and CANCELLED are never admitted; passing one is an error.
+
+Estimators over the baseline set B (the rollouts that train), for rollout i in B with
+reward r_i, n = |B|, mean m and population standard deviation s of the rewards in B:
+
+- ``group``:      A_i = (r_i - m) / (s + eps)
+- ``group_mean``: A_i = r_i - m                     (Dr. GRPO: no std normalisation)
+- ``rloo``:       A_i = r_i - (sum_{j in B, j != i} r_j) / (n - 1)   (0 when n == 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.config import ESTIMATORS, TRUNCATIONS
+from pipeline.sessions import Status
+
+
+@dataclass(frozen=True)
+class GroupScores:
+    """What one group trains on: per rollout `rewards` (NaN for a masked rollout without a
+    reward), `advantages` (0 for masked rollouts) and `trained` (False when masked)."""
+
+    rewards: np.ndarray
+    advantages: np.ndarray
+    trained: np.ndarray
+
+
+def check_policy(estimator: str, truncation: str) -> None:
+    """Raise ValueError for an unknown estimator or truncation policy."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+
+
+def training_reward(status: Status, reward: float | None, truncation: str) -> float | None:
+    """The reward a rollout trains on, or None when it is masked (does not train).
+
+    Raises ValueError for rollouts that cannot be admitted as they are.
+    """
+    status = Status(status)
+    if status is Status.COMPLETED:
+        if reward is None:
+            raise ValueError("a COMPLETED rollout has no reward: its verifier must score it")
+        return float(reward)
+    if status is Status.AGENT_ERROR:
+        return 0.0 if reward is None else float(reward)
+    if status is Status.TRUNCATED:
+        if truncation == "mask":
+            return None
+        if truncation == "zero":
+            return 0.0
+        if reward is None:
+            raise ValueError(
+                "a TRUNCATED rollout without a reward cannot train under truncation='score' "
+                "(the scheduler resubmits it with cause 'unscored')"
+            )
+        return float(reward)
+    raise ValueError(f"a {status.name} rollout is never admitted, so it cannot be packed")
+
+
+def group_advantages(
+    statuses: Sequence[Status],
+    rewards: Sequence[float | None],
+    *,
+    estimator: str = "group",
+    truncation: str = "mask",
+    eps: float = 1e-6,
+) -> GroupScores:
+    """Rewards, advantages and trained flags of one group's rollouts (module docstring)."""
+    check_policy(estimator, truncation)
+    if len(statuses) != len(rewards):
+        raise ValueError(f"{len(statuses)} statuses for {len(rewards)} rewards")
+    used = [training_reward(s, r, truncation) for s, r in zip(statuses, rewards, strict=True)]
+    trained = np.array([u is not None for u in used], dtype=bool)
+    reported = np.array(
+        [
+            u if u is not None else (np.nan if r is None else float(r))
+            for u, r in zip(used, rewards, strict=True)
+        ],
+        dtype=np.float64,
+    )
+    adv = np.zeros(len(used), dtype=np.float64)
+    base = reported[trained]
+    n = len(base)
+    if n:
+        mean = base.mean()
+        if estimator == "group":
+            adv[trained] = (base - mean) / (base.std() + eps)
+        elif estimator == "group_mean":
+            adv[trained] = base - mean
+        elif n > 1:  # rloo
+            adv[trained] = base - (base.sum() - base) / (n - 1)
+    return GroupScores(rewards=reported, advantages=adv, trained=trained)

@@ -1,0 +1,245 @@
+"""Sessions to chains: a session's policy calls merged into the token sequences a trainer runs.
+
+An agent session makes calls whose prompts usually repeat the whole conversation so far:
+the previous call's prompt, its completion, then new tokens (a tool result, an
+observation, the next user turn). Training each call as its own sequence would run the
+shared prefix again and again. `merge_calls` folds such calls into one chain:
+
+- a call whose prompt starts with the previous call's prompt + completion (token by token)
+  *continues* the previous call's chain; the prompt tokens beyond that prefix (the tool
+  output) are appended as non-loss tokens, then the call's completion as loss tokens;
+- any other call (the harness summarised, truncated or rewrote the context) *opens* a new
+  chain.
+
+Each `Chain` holds flat per-token numpy arrays: `tokens` (int32), `loss_mask` (bool, True
+on completion tokens), `logprobs` (float32, the behaviour log-prob on completion tokens, 0
+elsewhere), `versions` (int32, the weight version that served each completion token, -1 on
+prompt tokens) and, for filtered sampling, `support` (`[n_tokens, k]` int32 token ids, -1
+padded; prompt tokens have an all -1 row). `chains_to_arrays` / `chains_from_arrays` turn a
+list of chains into a handful of flat little-endian arrays and back, which is the form they
+travel in on the wire.
+
+The merge ratio (`merge_ratio`) is the share of call tokens the merge saves:
+``1 - (tokens in chains) / (sum over calls of len(prompt) + len(completion))``. It is 0
+when no call continues another, and approaches 1 for long multi-turn sessions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Call
+
+VERSION_DTYPE = np.dtype("<i4")
+NO_VERSION = -1
+"""Version of a token the policy did not sample (prompt, tool output, padding)."""
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One token sequence a trainer runs: merged calls, with per-token training data.
+
+    `calls` counts the calls merged into it; `call_tokens` is what those calls would cost
+    trained one by one (sum of prompt + completion lengths), so that the merge ratio can be
+    computed from chains alone.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    support: np.ndarray | None = None
+    calls: int = 1
+    call_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("loss_mask", "logprobs", "versions"):
+            arr = getattr(self, name)
+            if arr.ndim != 1 or len(arr) != n:
+                raise ValueError(f"Chain.{name} has shape {arr.shape}, expected ({n},)")
+        if self.support is not None and (self.support.ndim != 2 or len(self.support) != n):
+            raise ValueError(f"Chain.support has shape {self.support.shape}, expected ({n}, k)")
+        if self.call_tokens < 0:
+            object.__setattr__(self, "call_tokens", n)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def loss_tokens(self) -> int:
+        """Number of completion (loss) tokens."""
+        return int(np.count_nonzero(self.loss_mask))
+
+    @property
+    def support_width(self) -> int:
+        """k of the support array, 0 without support."""
+        return 0 if self.support is None else int(self.support.shape[1])
+
+
+class _ChainBuilder:
+    """Accumulates the pieces of one chain; concatenates once at the end (no quadratic copy)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[np.ndarray] = []
+        self.loss: list[np.ndarray] = []
+        self.logprobs: list[np.ndarray] = []
+        self.versions: list[np.ndarray] = []
+        self.support: list[np.ndarray | None] = []
+        self.calls = 0
+        self.call_tokens = 0
+
+    def add_prompt(self, ids: np.ndarray) -> None:
+        n = len(ids)
+        self.tokens.append(ids)
+        self.loss.append(np.zeros(n, dtype=bool))
+        self.logprobs.append(np.zeros(n, dtype=LOGPROB_DTYPE))
+        self.versions.append(np.full(n, NO_VERSION, dtype=VERSION_DTYPE))
+        self.support.append(None)
+
+    def add_completion(self, call: Call) -> None:
+        n = len(call.completion_ids)
+        self.tokens.append(np.asarray(call.completion_ids))
+        self.loss.append(np.ones(n, dtype=bool))
+        self.logprobs.append(np.asarray(call.logprobs))
+        self.versions.append(np.full(n, call.version, dtype=VERSION_DTYPE))
+        self.support.append(call.support)
+        self.calls += 1
+        self.call_tokens += len(call.prompt_ids) + n
+
+    def build(self) -> Chain:
+        tokens = np.concatenate(self.tokens).astype(TOKEN_DTYPE, copy=False)
+        return Chain(
+            tokens=tokens,
+            loss_mask=np.concatenate(self.loss),
+            logprobs=np.concatenate(self.logprobs).astype(LOGPROB_DTYPE, copy=False),
+            versions=np.concatenate(self.versions),
+            support=self._support(),
+            calls=self.calls,
+            call_tokens=self.call_tokens,
+        )
+
+    def _support(self) -> np.ndarray | None:
+        widths = [s.shape[1] for s in self.support if s is not None]
+        if not widths:
+            return None
+        k = max(widths)
+        pieces = []
+        for tok, sup in zip(self.tokens, self.support, strict=True):
+            block = np.full((len(tok), k), -1, dtype=TOKEN_DTYPE)
+            if sup is not None:
+                block[:, : sup.shape[1]] = sup
+            pieces.append(block)
+        return np.concatenate(pieces)
+
+
+def _extends(call: Call, prev: Call) -> bool:
+    """True when `call.prompt_ids` starts with `prev.prompt_ids + prev.completion_ids`."""
+    p, c = len(prev.prompt_ids), len(prev.completion_ids)
+    if len(call.prompt_ids) < p + c:
+        return False
+    head = call.prompt_ids
+    return bool(
+        np.array_equal(head[:p], prev.prompt_ids) and np.array_equal(head[p : p + c], prev.completion_ids)
+    )
+
+
+def merge_calls(calls: Sequence[Call]) -> list[Chain]:
+    """Merge a session's calls, in order, into chains (see the module docstring)."""
+    chains: list[Chain] = []
+    builder: _ChainBuilder | None = None
+    prev: Call | None = None
+    for call in calls:
+        if builder is not None and prev is not None and _extends(call, prev):
+            start = len(prev.prompt_ids) + len(prev.completion_ids)
+            builder.add_prompt(np.asarray(call.prompt_ids)[start:])
+        else:
+            if builder is not None:
+                chains.append(builder.build())
+            builder = _ChainBuilder()
+            builder.add_prompt(np.asarray(call.prompt_ids))
+        builder.add_completion(call)
+        prev = call
+    if builder is not None:
+        chains.append(builder.build())
+    return chains
+
+
+def merge_ratio(chains: Sequence[Chain]) -> float:
+    """Share of call tokens saved by merging: ``1 - sum(len(chain)) / sum(call_tokens)``.
+
+    0.0 for no chains (nothing to save).
+    """
+    call_tokens = sum(c.call_tokens for c in chains)
+    if call_tokens == 0:
+        return 0.0
+    return 1.0 - sum(len(c) for c in chains) / call_tokens
+
+
+def chains_to_arrays(chains: Sequence[Chain]) -> dict[str, np.ndarray]:
+    """Flatten chains into little-endian arrays: `lengths`, `calls`, `call_tokens` (one entry
+    per chain) and `tokens`, `loss_mask`, `logprobs`, `versions` (all chains concatenated),
+    plus `support` (`[total, k]`, -1 padded) when any chain has support."""
+    out: dict[str, np.ndarray] = {
+        "lengths": np.array([len(c) for c in chains], dtype="<i4"),
+        "calls": np.array([c.calls for c in chains], dtype="<i4"),
+        "call_tokens": np.array([c.call_tokens for c in chains], dtype="<i8"),
+    }
+    out["tokens"] = _cat([c.tokens for c in chains], TOKEN_DTYPE)
+    out["loss_mask"] = _cat([c.loss_mask for c in chains], np.dtype(bool))
+    out["logprobs"] = _cat([c.logprobs for c in chains], LOGPROB_DTYPE)
+    out["versions"] = _cat([c.versions for c in chains], VERSION_DTYPE)
+    k = max((c.support_width for c in chains), default=0)
+    if k:
+        blocks = []
+        for c in chains:
+            block = np.full((len(c), k), -1, dtype=TOKEN_DTYPE)
+            if c.support is not None:
+                block[:, : c.support.shape[1]] = c.support
+            blocks.append(block)
+        out["support"] = np.concatenate(blocks)
+    return out
+
+
+def chains_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Chain]:
+    """Inverse of `chains_to_arrays`; validates that the lengths cover the flat arrays."""
+    lengths = np.asarray(arrays["lengths"], dtype=np.int64)
+    total = int(lengths.sum())
+    flat = {
+        "tokens": np.asarray(arrays["tokens"], dtype=TOKEN_DTYPE),
+        "loss_mask": np.asarray(arrays["loss_mask"], dtype=bool),
+        "logprobs": np.asarray(arrays["logprobs"], dtype=LOGPROB_DTYPE),
+        "versions": np.asarray(arrays["versions"], dtype=VERSION_DTYPE),
+    }
+    support = arrays.get("support")
+    for name, arr in flat.items():
+        if arr.shape != (total,):
+            raise ValueError(f"chain array {name!r} has shape {arr.shape}, lengths sum to {total}")
+    if support is not None and (support.ndim != 2 or support.shape[0] != total):
+        raise ValueError(f"chain array 'support' has shape {support.shape}, lengths sum to {total}")
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    calls, call_tokens = arrays["calls"], arrays["call_tokens"]
+    chains = []
+    for i in range(len(lengths)):
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        chains.append(
+            Chain(
+                tokens=flat["tokens"][a:b],
+                loss_mask=flat["loss_mask"][a:b],
+                logprobs=flat["logprobs"][a:b],
+                versions=flat["versions"][a:b],
+                support=None if support is None else np.asarray(support[a:b], dtype=TOKEN_DTYPE),
+                calls=int(calls[i]),
+                call_tokens=int(call_tokens[i]),
+            )
+        )
+    return chains
+
+
+def _cat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    return np.ascontiguousarray(np.concatenate(parts).astype(dtype, copy=False))

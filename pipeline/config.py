@@ -1,0 +1,170 @@
+"""Validated configuration: one model per process, units in field names.
+
+Every model refuses unknown fields and checks its cross-field rules at construction, so a
+bad config fails at start with the offending field named (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ESTIMATORS = ("group", "group_mean", "rloo")
+TRUNCATIONS = ("mask", "score", "zero")
+ADMISSIONS = ("batch", "stream")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names every offending field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True,
+                              allow_inf_nan=False)
+
+
+class SchedulerConfig(_Model):
+    """The scheduling rules (the specification's `RolloutScheduler` arguments)."""
+
+    groups: int = Field(4, ge=1, description="rollouts admitted per group (the group size)")
+    oversample: int = Field(0, ge=0, description="extra rollouts run per group; first finishers win")
+    admit: int | None = Field(None, ge=1, description="groups trained per step; None: the batch size")
+    batch_size: int | None = Field(None, ge=1, description="tasks per registered batch, when known")
+    max_lag: int = Field(1, ge=0, description="most updates an admitted rollout's oldest call may trail")
+    ahead: int = Field(1, ge=0, description="task batches submitted before their step")
+    sync_every: int = Field(1, ge=1, description="push weights once the served version is this far behind")
+    max_attempts: int = Field(3, ge=1, description="failed attempts per sample before its group is abandoned")
+    timeout_s: float | None = Field(None, gt=0, description="deadline of a rollout from its submission")
+    estimator: Literal["group", "group_mean", "rloo"] = "group"
+    truncation: Literal["mask", "score", "zero"] = "mask"
+    admission: Literal["batch", "stream"] = "batch"
+    inflight_samples: int | None = Field(
+        None, ge=1, description="stream mode: samples kept in flight; None: (ahead + 1) batches' worth"
+    )
+    width: int = Field(2048, ge=1, description="tokens per packed row")
+    rows: int = Field(8, ge=1, description="packed rows per step (this process's share)")
+    support_capacity: int | None = Field(None, ge=1, description="per-row room for sampling support")
+
+    @property
+    def group_size(self) -> int:
+        """Samples submitted per group: `groups + oversample`."""
+        return self.groups + self.oversample
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "SchedulerConfig":
+        bound = self.ahead + self.sync_every - 1
+        if self.max_lag < bound:
+            raise ValueError(
+                f"max_lag={self.max_lag} is below ahead + sync_every - 1 = {bound}: a first "
+                "submission could be stale at consumption"
+            )
+        if self.admit is not None and self.batch_size is not None and self.admit > self.batch_size:
+            raise ValueError(f"admit={self.admit} exceeds batch_size={self.batch_size}")
+        if self.inflight_samples is not None and self.inflight_samples < self.group_size:
+            raise ValueError(
+                f"inflight_samples={self.inflight_samples} is below one group "
+                f"(groups + oversample = {self.group_size})"
+            )
+        return self
+
+
+class RedisConfig(_Model):
+    """Where the pipeline's streams live. Credentials come from the environment or a file,
+    never from the config itself: `password_env` names a variable, `password_file` a file."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL")
+    namespace: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    username: str | None = None
+    password_env: str | None = "ROLLSTREAM_REDIS_PASSWORD"
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    socket_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _scheme(self) -> "RedisConfig":
+        if not self.url.lower().startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        return self
+
+    def password(self) -> str | None:
+        if self.password_file is not None:
+            return Path(self.password_file).read_text().strip()
+        if self.password_env:
+            return os.environ.get(self.password_env) or None
+        return None
+
+
+class AdmissionConfig(_Model):
+    """`rollstream admission`: one per trainer rank (shard)."""
+
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    shard: int = Field(0, ge=0)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    block_ms: int = Field(1000, ge=1, description="longest blocking read")
+    lease_s: float = Field(30.0, gt=0, description="work whose lease is older than this is reclaimed")
+    trim_every_s: float = Field(10.0, gt=0)
+    metrics_addr: str = "127.0.0.1:9400"
+
+
+class ConsumerConfig(_Model):
+    """`rollstream consumer`: a stateless rollout consumer with `slots` concurrent sessions."""
+
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    slots: int = Field(8, ge=1)
+    source: str = Field("consumers.sources.sleep:SleepSource", pattern=r"^[\w.]+:[\w.]+$")
+    source_args: dict[str, Any] = Field(default_factory=dict)
+    lease_s: float = Field(30.0, gt=0, description="lease renewed every lease_s / 3")
+    block_ms: int = Field(1000, ge=1)
+    grace_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish running sessions")
+    metrics_addr: str = "127.0.0.1:9401"
+
+    @model_validator(mode="after")
+    def _drain(self) -> "ConsumerConfig":
+        if self.grace_s > self.lease_s * 10:
+            raise ValueError(f"grace_s={self.grace_s} exceeds ten leases (lease_s={self.lease_s})")
+        return self
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def describe(exc: ValidationError) -> str:
+    """One line per offending field: `a.b: reason`."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(config)"
+        lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)
+
+
+def build(model: type[M], data: Any) -> M:
+    """Validate `data` as `model`, raising ConfigError that names the fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {model.__name__}: {describe(exc)}") from None
+
+
+def load(model: type[M], path: str | os.PathLike[str]) -> M:
+    """Read a YAML or JSON file into `model`."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {p} is not UTF-8 text") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
+        raise ConfigError(f"config {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {p} must be a mapping at the top level, got {type(data).__name__}")
+    return build(model, data)

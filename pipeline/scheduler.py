@@ -1,0 +1,642 @@
+"""The scheduling state machine: events in, actions out.
+
+`Scheduler.handle(event, now)` is the only entry point. It never touches Redis or a clock:
+time arrives as `now` (seconds, any monotonic origin the caller keeps), and everything the
+outside world must do comes back as an ordered list of actions which the caller carries out
+in order (a `PushWeights` before the `Submit`s that follow it, so those run under the new
+version).
+
+Events: `Open` (a task stream was (re)opened: a new epoch), `Register` (the trainer's
+prefetch read a task batch), `Handover` (the trainer calls for step i), `Finish` (a
+rollout's result arrived), `Publish` (a weight version is served), `Tick` (time advanced),
+`Close`.
+
+Actions: `Submit`, `Cancel`, `Discard` (a result the scheduler will not train on),
+`PushWeights`, `Abandon`, `Emit` (a step's admitted groups and its `SchedulerRecord`),
+`Fail` (the step fails with a source's traceback).
+
+Two admission modes. `batch`: step i trains task batch i's groups, submitted `ahead` calls
+early; `oversample` and `admit` cut the tail. `stream`: step i trains the first `admit`
+complete groups within the staleness bound from any registered batch, and submission is
+credit-driven backfill: every sample that ends, whatever its outcome, is one credit; a
+resubmission takes one credit and `groups + oversample` credits submit one new group, so
+`in flight + credits == inflight_samples` holds after every event.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Union
+
+from pipeline.config import SchedulerConfig
+from pipeline.sessions import Status, Task
+
+CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
+"""Resubmission causes, as counted in `SchedulerRecord.resubmitted`."""
+
+FAILURE_CAUSE = {Status.INFRA_ERROR: "infra_error", Status.CANCELLED: "cancelled"}
+
+
+class ProtocolError(RuntimeError):
+    """An event that the protocol does not allow in the scheduler's current state."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SampleKey:
+    """One attempt of one sample: the identity of a work entry and of its result."""
+
+    epoch: int
+    group: int
+    sample: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class SchedulerRecord:
+    """What one trainer call consumed and what it cost.
+
+    version and lag are the oldest admitted call's; groups counts admitted groups;
+    resubmitted counts resubmissions by cause; cancelled counts in-flight rollouts cancelled
+    as surplus, stale or abandoned; abandoned counts groups given up after max_attempts; cut
+    counts complete groups left out because their chains did not fit the batch's rows;
+    waited is the seconds the trainer waited; metrics is session_metrics over the admitted
+    rollouts and their packed batch."""
+
+    updates: int
+    version: int
+    lag: int
+    groups: int
+    resubmitted: Mapping[str, int]
+    cancelled: int
+    abandoned: int
+    cut: int
+    waited: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Open:
+    """The trainer opened its task stream (again): a new epoch; the old one's work ends."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Register:
+    """The trainer's prefetch read task batch `batch`."""
+
+    batch: int
+    tasks: tuple[Task, ...]
+
+
+@dataclass(frozen=True)
+class Handover:
+    """The trainer calls for step `step` after `updates` optimizer updates. `published`, when
+    given, is a weight version the trainer already published before this call."""
+
+    step: int
+    updates: int
+    published: int | None = None
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A rollout's result: its status, reward, oldest call's version (None: no calls) and,
+    when the source raised instead of returning a status, the traceback in `error`."""
+
+    key: SampleKey
+    status: Status
+    reward: float | None = None
+    oldest_version: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Publish:
+    """The engines serve weight version `version` (published elsewhere)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time advanced (deadlines are checked on every event; this one carries nothing else)."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """Cancel every rollout in flight."""
+
+
+Event = Union[Open, Register, Handover, Finish, Publish, Tick, Close]
+
+# ---------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Submit:
+    key: SampleKey
+    task: Task
+    submitted_version: int
+    deadline: float | None
+    cause: str | None  # None for a first attempt, else one of CAUSES
+
+
+@dataclass(frozen=True)
+class Cancel:
+    key: SampleKey
+    reason: str  # surplus, stale, abandoned, timeout, epoch, closed, broken
+
+
+@dataclass(frozen=True)
+class Discard:
+    """A result that will not be trained on; the caller may drop its payload."""
+
+    key: SampleKey
+    reason: str  # superseded, stale, or a failure cause
+
+
+@dataclass(frozen=True)
+class PushWeights:
+    version: int
+
+
+@dataclass(frozen=True)
+class Abandon:
+    group: int
+    batch: int
+    task: Task
+    cause: str
+
+
+@dataclass(frozen=True)
+class AdmittedGroup:
+    group: int
+    batch: int
+    task: Task
+    samples: tuple[SampleKey, ...]  # the `groups` admitted attempts, in finishing order
+
+
+@dataclass(frozen=True)
+class Emit:
+    step: int
+    groups: tuple[AdmittedGroup, ...]
+    record: SchedulerRecord
+
+
+@dataclass(frozen=True)
+class Fail:
+    step: int | None
+    error: str
+
+
+Action = Union[Submit, Cancel, Discard, PushWeights, Abandon, Emit, Fail]
+
+# ---------------------------------------------------------------------------- state
+
+_RUNNING, _IDLE, _ADMITTED, _DEAD, _SURPLUS = range(5)
+
+
+class _Sample:
+    __slots__ = ("index", "attempt", "failures", "state", "submitted_version", "oldest")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.attempt = -1
+        self.failures = 0
+        self.state = _IDLE
+        self.submitted_version = 0
+        self.oldest = 0  # version of the admitted result's oldest call
+
+
+class _Group:
+    __slots__ = ("id", "batch", "task", "samples", "admitted", "complete")
+
+    def __init__(self, gid: int, batch: int, task: Task, size: int) -> None:
+        self.id = gid
+        self.batch = batch
+        self.task = task
+        self.samples = [_Sample(i) for i in range(size)]
+        self.admitted: list[int] = []  # sample indices in finishing order
+        self.complete = False
+
+
+class _Batch:
+    __slots__ = ("tasks", "groups", "submitted", "complete", "abandoned")
+
+    def __init__(self, tasks: tuple[Task, ...]) -> None:
+        self.tasks = tasks
+        self.groups: list[int] = []
+        self.submitted = False
+        self.complete: list[int] = []  # group ids in completion order
+        self.abandoned = 0
+
+
+class Scheduler:
+    """The pure scheduling core shared by every admission mode. See the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, *, shard: int = 0) -> None:
+        self.config = config
+        self.shard = shard
+        self.epoch = -1
+        self.served = 0  # version the engines serve now
+        self.updates = 0  # trainer updates at the latest handover
+        self.credits = 0  # stream mode: samples that may still be submitted
+        self.target = 0  # stream mode: samples kept in flight
+        self._gids = itertools.count()
+        self._seq = itertools.count()
+        self._reset()
+
+    # -------------------------------------------------------------- public queries
+
+    @property
+    def in_flight(self) -> int:
+        """Samples submitted and not yet ended."""
+        return len(self._running)
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step the trainer waits for, if any."""
+        return self._pending
+
+    def running(self) -> list[SampleKey]:
+        return list(self._running)
+
+    # -------------------------------------------------------------- entry point
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply one event at time `now`; return the actions to carry out, in order."""
+        out: list[Action] = []
+        self._now = now
+        if isinstance(event, Finish):
+            self._on_finish(event, out)
+        elif isinstance(event, Register):
+            self._on_register(event, out)
+        elif isinstance(event, Handover):
+            self._on_handover(event, out)
+        elif isinstance(event, Publish):
+            self.served = max(self.served, event.version)
+        elif isinstance(event, Open):
+            self._on_open(event, out)
+        elif isinstance(event, Close):
+            self._cancel_all("closed", out)
+            self._reset()
+        elif not isinstance(event, Tick):
+            raise TypeError(f"not a scheduler event: {event!r}")
+        self._expire(out)
+        self._backfill(out)
+        self._maybe_emit(out)
+        self._backfill(out)  # emission may have queued stale resubmissions
+        return out
+
+    # -------------------------------------------------------------- events
+
+    def _reset(self) -> None:
+        self._groups: dict[int, _Group] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._running: dict[SampleKey, tuple[_Group, _Sample]] = {}
+        self._deadlines: list[tuple[float, int, SampleKey]] = []
+        self._by_version: list[tuple[int, int, SampleKey]] = []
+        self._tasks: deque[tuple[int, Task]] = deque()  # stream mode: tasks not yet drawn
+        self._resubmit: deque[tuple[_Group, _Sample, str]] = deque()  # stream: awaiting credit
+        self._complete: deque[int] = deque()  # stream mode: complete groups, in order
+        self._pending: int | None = None
+        self._handover_at = 0.0
+        self._last_step = -1
+        self._last_batch = -1
+        self._broken: str | None = None
+        self._counts = Counter()
+        self._resubmitted: Counter[str] = Counter()
+        self.credits = self.target = 0
+        self._admit_default = 0
+
+    def _on_open(self, ev: Open, out: list[Action]) -> None:
+        if ev.epoch <= self.epoch:
+            raise ProtocolError(f"epoch {ev.epoch} does not follow epoch {self.epoch}")
+        self._cancel_all("epoch", out)
+        self._reset()
+        self.epoch = ev.epoch
+
+    def _on_register(self, ev: Register, out: list[Action]) -> None:
+        self._require_open()
+        if ev.batch <= self._last_batch:
+            raise ProtocolError(
+                f"batch {ev.batch} registered after batch {self._last_batch} in epoch {self.epoch}"
+            )
+        if not ev.tasks:
+            raise ProtocolError(f"batch {ev.batch} has no tasks")
+        self._last_batch = ev.batch
+        admit = self.config.admit
+        if admit is not None and admit > len(ev.tasks):
+            raise ProtocolError(f"admit={admit} exceeds batch {ev.batch}'s {len(ev.tasks)} tasks")
+        if self.config.admission == "stream":
+            if self.target == 0:
+                self.target = self._stream_target(len(ev.tasks))
+                self.credits = self.target
+                self._admit_default = self.config.admit or self.config.batch_size or len(ev.tasks)
+            self._tasks.extend((ev.batch, t) for t in ev.tasks)
+            return
+        self._batches[ev.batch] = _Batch(ev.tasks)
+        if self._last_step >= 0 and ev.batch <= self._last_step + self.config.ahead:
+            self._submit_batch(ev.batch, out)
+
+    def _on_handover(self, ev: Handover, out: list[Action]) -> None:
+        self._require_open()
+        if self._pending is not None:
+            raise ProtocolError(f"handover of step {ev.step} while step {self._pending} is pending")
+        if ev.step <= self._last_step:
+            raise ProtocolError(f"step {ev.step} handed over after step {self._last_step}")
+        if self._broken is not None:
+            out.append(Fail(ev.step, self._broken))
+            return
+        if self.config.admission == "batch" and ev.step not in self._batches:
+            raise ProtocolError(f"step {ev.step} handed over before batch {ev.step} was registered")
+        if ev.published is not None:
+            self.served = max(self.served, ev.published)
+        self.updates = ev.updates
+        if self.updates - self.served >= self.config.sync_every:
+            out.append(PushWeights(self.updates))
+            self.served = self.updates
+        self._pending, self._handover_at, self._last_step = ev.step, self._now, ev.step
+        self._cancel_stale_running(out)
+        if self.config.admission == "batch":
+            for b in sorted(self._batches):
+                if b <= ev.step + self.config.ahead and not self._batches[b].submitted:
+                    self._submit_batch(b, out)
+            batch = self._batches[ev.step]
+            live = [self._groups[g] for g in batch.groups if g in self._groups]
+            self._recheck_lag(live, batch.complete, out)
+
+    def _on_finish(self, ev: Finish, out: list[Action]) -> None:
+        entry = self._running.pop(ev.key, None)
+        if entry is None:
+            out.append(Discard(ev.key, "superseded"))
+            return
+        group, sample = entry
+        self.credits += 1
+        if ev.error is not None:
+            out.append(Discard(ev.key, "broken"))
+            self._broken = ev.error
+            self._cancel_all("broken", out)
+            if self._pending is not None:
+                out.append(Fail(self._pending, ev.error))
+                self._pending = None
+            return
+        cause = self._failure_cause(ev)
+        if cause is not None:
+            out.append(Discard(ev.key, cause))
+            self._fail_sample(group, sample, cause, out)
+            return
+        oldest = sample.submitted_version if ev.oldest_version is None else ev.oldest_version
+        if self.updates - oldest > self.config.max_lag:
+            out.append(Discard(ev.key, "stale"))
+            self._resubmit_sample(group, sample, "stale", out)
+            return
+        sample.state, sample.oldest = _ADMITTED, oldest
+        group.admitted.append(sample.index)
+        if len(group.admitted) == self.config.groups:
+            self._complete_group(group, out)
+
+    # -------------------------------------------------------------- admission rules
+
+    def _failure_cause(self, ev: Finish) -> str | None:
+        """None when the rollout is admitted by its status, else the resubmission cause."""
+        if ev.status in (Status.COMPLETED, Status.AGENT_ERROR):
+            return None
+        if ev.status is Status.TRUNCATED:
+            if self.config.truncation == "score" and ev.reward is None:
+                return "unscored"
+            return None
+        return FAILURE_CAUSE[ev.status]
+
+    def _fail_sample(self, group: _Group, sample: _Sample, cause: str, out: list[Action]) -> None:
+        """A failed attempt: resubmit it, or give the group up once it cannot complete."""
+        sample.failures += 1
+        if sample.failures < self.config.max_attempts:
+            self._resubmit_sample(group, sample, cause, out)
+            return
+        sample.state = _DEAD
+        viable = sum(s.state != _DEAD for s in group.samples)
+        if viable < self.config.groups:
+            self._abandon(group, cause, out)
+
+    def _abandon(self, group: _Group, cause: str, out: list[Action]) -> None:
+        self._cancel_group(group, "abandoned", out)
+        self._counts["abandoned"] += 1
+        out.append(Abandon(group.id, group.batch, group.task, cause))
+        del self._groups[group.id]
+        batch = self._batches.get(group.batch)
+        if batch is not None:
+            batch.abandoned += 1
+
+    def _complete_group(self, group: _Group, out: list[Action]) -> None:
+        group.complete = True
+        self._cancel_group(group, "surplus", out)
+        if self.config.admission == "stream":
+            self._complete.append(group.id)
+            return
+        batch = self._batches[group.batch]
+        batch.complete.append(group.id)
+        if len(batch.complete) == self._admit_target(batch):
+            for gid in batch.groups:
+                other = self._groups.get(gid)
+                if other is not None and not other.complete:
+                    self._cancel_group(other, "surplus", out)
+                    del self._groups[gid]
+
+    def _recheck_lag(self, groups: list[_Group], complete, out: list[Action]) -> None:
+        """At consumption, discard admitted rollouts that fell past the bound and resubmit
+        them; a complete group among them leaves `complete` and waits for the new attempts."""
+        for group in groups:
+            stale = [i for i in group.admitted
+                     if self.updates - group.samples[i].oldest > self.config.max_lag]
+            for i in stale:
+                sample = group.samples[i]
+                out.append(Discard(self._key(group, sample), "stale"))
+                group.admitted.remove(i)
+                self._resubmit_sample(group, sample, "stale", out)
+            if stale and group.complete:
+                group.complete = False
+                complete.remove(group.id)
+
+    def _cancel_stale_running(self, out: list[Action]) -> None:
+        """Cancel running rollouts whose submission is already past the bound (their first
+        call was made under that version) and resubmit them under the served weights."""
+        heap, bound = self._by_version, self.updates - self.config.max_lag
+        while heap and heap[0][0] < bound:
+            version, _, key = heapq.heappop(heap)
+            entry = self._running.get(key)
+            if entry is None:
+                continue
+            if version >= self.served:  # a resubmission would be no fresher
+                heapq.heappush(heap, (version, next(self._seq), key))
+                break
+            group, sample = entry
+            self._end_running(key, Cancel(key, "stale"), out)
+            self._counts["cancelled"] += 1
+            self._resubmit_sample(group, sample, "stale", out)
+
+    def _expire(self, out: list[Action]) -> None:
+        """Cancel rollouts past their deadline and resubmit them as failed attempts."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= self._now:
+            _, _, key = heapq.heappop(heap)
+            entry = self._running.get(key)
+            if entry is None:
+                continue
+            group, sample = entry
+            self._end_running(key, Cancel(key, "timeout"), out)
+            self._fail_sample(group, sample, "timeout", out)
+
+    # -------------------------------------------------------------- submission
+
+    def _stream_target(self, batch_size: int) -> int:
+        cfg = self.config
+        if cfg.inflight_samples is not None:
+            return cfg.inflight_samples
+        return (cfg.ahead + 1) * (cfg.batch_size or batch_size) * cfg.group_size
+
+    def _admit_target(self, batch: _Batch) -> int:
+        return min(self.config.admit or len(batch.tasks), len(batch.tasks))
+
+    def _new_group(self, batch: int, task: Task) -> _Group:
+        group = _Group(next(self._gids), batch, task, self.config.group_size)
+        self._groups[group.id] = group
+        return group
+
+    def _submit_batch(self, b: int, out: list[Action]) -> None:
+        batch = self._batches[b]
+        batch.submitted = True
+        for task in batch.tasks:
+            group = self._new_group(b, task)
+            batch.groups.append(group.id)
+            for sample in group.samples:
+                self._submit(group, sample, None, out)
+
+    def _backfill(self, out: list[Action]) -> None:
+        """Stream mode: spend credits, resubmissions first, then whole new groups."""
+        while self._resubmit and self.credits > 0:
+            group, sample, cause = self._resubmit.popleft()
+            if self._groups.get(group.id) is group and sample.state == _IDLE and not group.complete:
+                self.credits -= 1
+                self._submit(group, sample, cause, out)
+        size = self.config.group_size
+        while self._tasks and self.credits >= size and self._broken is None:
+            batch, task = self._tasks.popleft()
+            group = self._new_group(batch, task)
+            self.credits -= size
+            for sample in group.samples:
+                self._submit(group, sample, None, out)
+
+    def _resubmit_sample(self, group: _Group, sample: _Sample, cause: str, out: list[Action]) -> None:
+        self._resubmitted[cause] += 1
+        if self.config.admission == "stream":
+            sample.state = _IDLE
+            self._resubmit.append((group, sample, cause))
+        else:
+            self._submit(group, sample, cause, out)
+
+    def _submit(self, group: _Group, sample: _Sample, cause: str | None, out: list[Action]) -> None:
+        sample.attempt += 1
+        sample.state = _RUNNING
+        sample.submitted_version = self.served
+        key = self._key(group, sample)
+        deadline = None
+        if self.config.timeout_s is not None:
+            deadline = self._now + self.config.timeout_s
+            heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
+        heapq.heappush(self._by_version, (self.served, next(self._seq), key))
+        self._running[key] = (group, sample)
+        out.append(Submit(key, group.task, self.served, deadline, cause))
+
+    # -------------------------------------------------------------- cancellation
+
+    def _key(self, group: _Group, sample: _Sample) -> SampleKey:
+        return SampleKey(self.epoch, group.id, sample.index, sample.attempt)
+
+    def _end_running(self, key: SampleKey, action: Cancel, out: list[Action]) -> None:
+        del self._running[key]
+        self.credits += 1
+        out.append(action)
+
+    def _cancel_group(self, group: _Group, reason: str, out: list[Action]) -> None:
+        """Cancel every running sample of `group`; samples not admitted end as surplus."""
+        for sample in group.samples:
+            if sample.state == _RUNNING:
+                key = self._key(group, sample)
+                self._end_running(key, Cancel(key, reason), out)
+                self._counts["cancelled"] += 1
+            if sample.state in (_RUNNING, _IDLE):
+                sample.state = _SURPLUS
+
+    def _cancel_all(self, reason: str, out: list[Action]) -> None:
+        for key in sorted(self._running):
+            self._end_running(key, Cancel(key, reason), out)
+            self._counts["cancelled"] += 1
+        self._tasks.clear()
+        self._resubmit.clear()
+
+    def _require_open(self) -> None:
+        if self.epoch < 0:
+            raise ProtocolError("no epoch is open: the task stream must be opened first")
+
+    # -------------------------------------------------------------- emission
+
+    def _maybe_emit(self, out: list[Action]) -> None:
+        step = self._pending
+        if step is None or self._broken is not None:
+            return
+        if self.config.admission == "batch":
+            batch = self._batches[step]
+            target = self._admit_target(batch)
+            settled = len(batch.complete) + batch.abandoned >= len(batch.tasks)
+            if len(batch.complete) < target and not settled:
+                return
+            chosen = batch.complete[:target]
+            del self._batches[step]
+            leftovers = sorted(set(batch.groups).difference(chosen))
+        else:
+            self._recheck_lag([self._groups[g] for g in self._complete], self._complete, out)
+            target = self._admit_default
+            drained = not self._running and not self._tasks and not self._resubmit
+            if len(self._complete) < target and not drained:
+                return
+            chosen = [self._complete.popleft() for _ in range(min(target, len(self._complete)))]
+            leftovers = []
+        out.append(self._emit(step, chosen, leftovers))
+
+    def _emit(self, step: int, chosen: list[int], leftovers: list[int]) -> Emit:
+        groups = []
+        oldest = math.inf
+        for gid in chosen:
+            group = self._groups.pop(gid)
+            keep = group.admitted[: self.config.groups]
+            samples = tuple(self._key(group, group.samples[i]) for i in keep)
+            oldest = min([oldest, *(group.samples[i].oldest for i in keep)])
+            groups.append(AdmittedGroup(group.id, group.batch, group.task, samples))
+        for gid in leftovers:
+            self._groups.pop(gid, None)
+        version = self.served if oldest == math.inf else int(oldest)
+        record = SchedulerRecord(
+            updates=self.updates,
+            version=version,
+            lag=self.updates - version,
+            groups=len(groups),
+            resubmitted={c: self._resubmitted[c] for c in CAUSES},
+            cancelled=self._counts["cancelled"],
+            abandoned=self._counts["abandoned"],
+            cut=0,
+            waited=max(0.0, self._now - self._handover_at),
+        )
+        self._counts.clear()
+        self._resubmitted.clear()
+        self._pending = None
+        return Emit(step, tuple(groups), record)

@@ -1,0 +1,196 @@
+"""The public names every session source uses.
+
+A `SessionSource` turns one `SessionRequest` (a task, relabelled with the scheduler's own
+group, sample index and attempt) into one `Session`: a status, a verifier reward, and the
+policy calls the session made, each with the token ids, the behaviour log-probability of
+every completion token and the weight version that served it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union, runtime_checkable
+
+import numpy as np
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+
+class Status(str, enum.Enum):
+    """How a session ended. Admission is decided per status (see `pipeline.scheduler`)."""
+
+    COMPLETED = "completed"
+    AGENT_ERROR = "agent_error"
+    TRUNCATED = "truncated"
+    INFRA_ERROR = "infra_error"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a registered batch; it becomes one group of rollouts. Tasks hash by id."""
+
+    id: str
+    payload: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"Task.id must be a non-empty str, got {self.id!r}")
+        if not isinstance(self.payload, Mapping):
+            raise TypeError(f"Task.payload must be a mapping, got {type(self.payload).__name__}")
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
+def _tokens(name: str, values: Any) -> np.ndarray:
+    raw = np.asarray(values)
+    if raw.size and raw.dtype.kind not in "iu":
+        raise TypeError(f"Call.{name} must hold integer token ids, got dtype {raw.dtype}")
+    if raw.ndim != 1:
+        raise ValueError(f"Call.{name} must be one-dimensional, got shape {raw.shape}")
+    if raw.size and (raw.min() < 0 or raw.max() > np.iinfo(TOKEN_DTYPE).max):
+        raise ValueError(f"Call.{name} holds token ids outside [0, 2**31)")
+    return np.ascontiguousarray(raw, dtype=TOKEN_DTYPE)
+
+
+def _logprobs(values: Any) -> np.ndarray:
+    arr = np.ascontiguousarray(np.asarray(values, dtype=LOGPROB_DTYPE))
+    if arr.ndim != 1:
+        raise ValueError(f"Call.logprobs must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not (np.isfinite(arr).all() and arr.max() <= LOGPROB_EPSILON):
+        raise ValueError("Call.logprobs must be finite log-probabilities (<= 0)")
+    return arr
+
+
+LOGPROB_EPSILON = 1e-4
+
+
+@dataclass(eq=False)
+class Call:
+    """One policy call: prompt and completion token ids, a behaviour log-prob per completion
+    token, the weight version that served it and, for filtered sampling (top-k/top-p), the
+    sampling support of each completion token as a `[len(completion_ids), k]` array of token
+    ids padded with -1."""
+
+    prompt_ids: Sequence[int] | np.ndarray
+    completion_ids: Sequence[int] | np.ndarray
+    logprobs: Sequence[float] | np.ndarray
+    version: int
+    support: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _tokens("prompt_ids", self.prompt_ids)
+        self.completion_ids = _tokens("completion_ids", self.completion_ids)
+        self.logprobs = _logprobs(self.logprobs)
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"Call.logprobs has {len(self.logprobs)} entries for "
+                f"{len(self.completion_ids)} completion tokens"
+            )
+        if isinstance(self.version, bool) or not isinstance(self.version, (int, np.integer)):
+            raise TypeError(f"Call.version must be an int, got {type(self.version).__name__}")
+        if self.version < 0:
+            raise ValueError(f"Call.version must be >= 0, got {self.version}")
+        self.version = int(self.version)
+        if self.support is not None:
+            sup = np.ascontiguousarray(np.asarray(self.support, dtype=TOKEN_DTYPE))
+            if sup.ndim != 2 or sup.shape[0] != len(self.completion_ids):
+                raise ValueError(
+                    f"Call.support must have shape [{len(self.completion_ids)}, k], got {sup.shape}"
+                )
+            self.support = sup
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Call):
+            return NotImplemented
+        same_support = (self.support is None and other.support is None) or (
+            self.support is not None and other.support is not None
+            and np.array_equal(self.support, other.support))
+        return (self.version == other.version and same_support
+                and np.array_equal(self.prompt_ids, other.prompt_ids)
+                and np.array_equal(self.completion_ids, other.completion_ids)
+                and np.array_equal(self.logprobs, other.logprobs))
+
+
+@dataclass
+class Session:
+    """What one rollout produced."""
+
+    status: Status
+    reward: float | None = None
+    components: Mapping[str, float] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    truncation: str | None = None
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)
+        if self.reward is not None:
+            if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float, np.number)):
+                raise TypeError(f"Session.reward must be a number, got {type(self.reward).__name__}")
+            self.reward = float(self.reward)
+            if not math.isfinite(self.reward):
+                raise ValueError(f"Session.reward must be finite, got {self.reward}")
+        for name in ("components", "timings"):
+            values = getattr(self, name)
+            if not isinstance(values, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) for k, v in values.items()):
+                raise ValueError(f"Session.{name} must map names to finite numbers")
+        self.calls = list(self.calls)
+        if not all(isinstance(c, Call) for c in self.calls):
+            raise TypeError("Session.calls must hold Call objects")
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the oldest call: a rollout's staleness is its oldest call's."""
+        return min((c.version for c in self.calls), default=None)
+
+
+@runtime_checkable
+class _Cancellation(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclass
+class SessionRequest:
+    """What a source is asked to run. `cancelled` is an event the source polls (a
+    `threading.Event` or `asyncio.Event`); `served_version()` returns the weight version the
+    engines serve now; `deadline` is a wall-clock time (seconds since the epoch) or None."""
+
+    task: Task
+    group: int
+    sample: int
+    attempt: int
+    submitted_version: int
+    deadline: float | None
+    cancelled: _Cancellation
+    served_version: Callable[[], int]
+
+
+@runtime_checkable
+class SyncSessionSource(Protocol):
+    def run(self, request: SessionRequest) -> Session: ...
+
+
+@runtime_checkable
+class AsyncSessionSource(Protocol):
+    async def arun(self, request: SessionRequest) -> Session: ...
+
+
+SessionSource = Union[SyncSessionSource, AsyncSessionSource]
+"""A source implements `run(request) -> Session` or `async arun(request) -> Session`."""
+
+
+def is_async_source(source: object) -> bool:
+    """True for a source to be awaited (`arun`), False for one to run in a thread (`run`)."""
+    if callable(getattr(source, "arun", None)):
+        return True
+    if callable(getattr(source, "run", None)):
+        return False
+    raise TypeError(f"{type(source).__name__} is not a SessionSource: it has neither run nor arun")

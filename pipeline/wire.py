@@ -1,0 +1,511 @@
+"""The wire schema: one frozen dataclass per message kind, msgpack on the wire, strict decoding.
+
+Every message is a msgpack map carrying `"v": SCHEMA_VERSION`, `"k": <kind>` and exactly the
+fields of its class. Token ids and log-probabilities travel as packed little-endian bytes
+(`<i4`, `<f4`), the arrays of a packed step as `{"dtype", "shape", "data"}` with a whitelist of
+numeric dtypes; nothing is ever pickled.
+
+`decode` refuses anything malformed with a `SchemaError` naming the field (`calls.2.logprobs`),
+never another exception. `encode` runs the same checks on what it is about to send, so what
+one process encodes every other process decodes. On a Redis stream an entry carries one field,
+`m`, holding the encoded bytes (`to_fields` / `from_fields`); entries that fail to decode go to
+the dead-letter stream (`dead_letter_fields`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Call, Session, Status, Task
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+FIELD = b"m"  # the one field of a stream entry: the encoded message
+DEAD_LETTER_BYTES = 64 * 1024  # how much of an undecodable entry a dead letter keeps
+CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")  # of a resubmission
+# the dtypes a packed step's arrays may have: little-endian and numeric
+ARRAY_DTYPES = frozenset(
+    {"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
+LOGPROB_EPSILON = 1e-4  # log-probs may exceed 0 by this much (engine rounding), no more
+_MAX_DEPTH = 32  # nesting of the free-form maps (task payloads, a step's record)
+_MAX_NDIM = 32
+_INT64 = 1 << 63
+
+
+class SchemaError(ValueError):
+    """A message that violates the schema; `field` is the dotted path of the offender."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def _tn(v: object) -> str:
+    return type(v).__name__
+
+
+# ---------------------------------------------------------------- field checkers
+# Each takes (wire value, dotted path) and returns the Python value, or raises SchemaError.
+
+
+def _int(v: Any, path: str, nonneg: bool = True) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SchemaError(path, f"expected an int, got {_tn(v)}")
+    if nonneg and v < 0:
+        raise SchemaError(path, f"must be >= 0, got {v}")
+    if not -_INT64 <= v < _INT64:
+        raise SchemaError(path, f"{v} is out of the int64 range")
+    return int(v)
+
+
+def _float(v: Any, path: str, nonneg: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SchemaError(path, f"expected a float, got {_tn(v)}")
+    try:
+        v = float(v)
+    except OverflowError:
+        raise SchemaError(path, "too large for a float") from None
+    if not math.isfinite(v):
+        raise SchemaError(path, f"must be finite, got {v}")
+    if nonneg and v < 0:
+        raise SchemaError(path, f"must be >= 0, got {v}")
+    return v
+
+
+def _str(v: Any, path: str, nonempty: bool = False) -> str:
+    if not isinstance(v, str):
+        raise SchemaError(path, f"expected a str, got {_tn(v)}")
+    if nonempty and not v:
+        raise SchemaError(path, "must not be empty")
+    return str(v)
+
+
+def _opt(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    return lambda v, path: None if v is None else check(v, path)
+
+
+def _choice(values: tuple[str, ...], convert: Callable[[str], Any] = str) -> Callable[[Any, str], Any]:
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, str) or v not in values:
+            raise SchemaError(path, f"must be one of {', '.join(values)}, got {v!r}")
+        return convert(v)
+    return check
+
+
+def _map(check: Callable[[Any, str], Any]) -> Callable[[Any, str], dict]:
+    """A map with str keys and values passing `check`."""
+    def check_map(v: Any, path: str) -> dict:
+        if not isinstance(v, dict):
+            raise SchemaError(path, f"expected a map, got {_tn(v)}")
+        if not all(isinstance(key, str) for key in v):
+            raise SchemaError(path, "map keys must be str")
+        return {key: check(value, f"{path}.{key}") for key, value in v.items()}
+    return check_map
+
+
+def _seq(check: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple]:
+    def check_seq(v: Any, path: str) -> tuple:
+        if not isinstance(v, list):
+            raise SchemaError(path, f"expected an array, got {_tn(v)}")
+        return tuple(check(x, f"{path}.{i}") for i, x in enumerate(v))
+    return check_seq
+
+
+def _struct(v: Any, path: str, names: tuple[str, ...]) -> dict:
+    """A nested map with exactly the keys `names`."""
+    if not isinstance(v, dict):
+        raise SchemaError(path, f"expected a map of {', '.join(names)}, got {_tn(v)}")
+    for key in (*names, *v):
+        if key not in v or key not in names:
+            raise SchemaError(f"{path}.{key}", "missing" if key not in v else "unknown field")
+    return v
+
+
+def _native(v: Any, path: str, depth: int = 0) -> Any:
+    """Free-form data (task payloads, a step's record): nil, bool, int, float, str, bin, and
+    arrays and str-keyed maps of them."""
+    if v is None or isinstance(v, (bool, float, str, bytes)):
+        return v
+    if isinstance(v, int):
+        if not -_INT64 <= v < 2 * _INT64:
+            raise SchemaError(path, f"{v} does not fit msgpack's integers")
+        return v
+    if depth >= _MAX_DEPTH and isinstance(v, (list, dict)):
+        raise SchemaError(path, f"nested deeper than {_MAX_DEPTH}")
+    if isinstance(v, list):
+        return [_native(x, f"{path}.{i}", depth + 1) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        return _map(partial(_native, depth=depth + 1))(v, path)
+    raise SchemaError(path, f"{_tn(v)} is not a msgpack-native value")
+
+
+def _task(v: Any, path: str) -> Task:
+    d = _struct(v, path, ("id", "payload"))
+    payload = _map(_native)(d["payload"], f"{path}.payload")
+    return Task(_str(d["id"], f"{path}.id", nonempty=True), payload)
+
+
+def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray:
+    """Packed little-endian bytes `v`, of `shape` (a msgpack array) or one-dimensional."""
+    if not isinstance(v, bytes):
+        raise SchemaError(path, f"expected bytes (msgpack bin), got {_tn(v)}")
+    if shape is None:
+        if len(v) % dtype.itemsize:
+            raise SchemaError(path, f"{len(v)} bytes is not a multiple of {dtype.itemsize} ({dtype.str})")
+        shape = (len(v) // dtype.itemsize,)
+    elif len(v) != math.prod(shape) * dtype.itemsize:
+        raise SchemaError(path, f"{len(v)} bytes for shape {list(shape)} of {dtype.str}")
+    return np.frombuffer(v, dtype).reshape(shape).copy()
+
+
+def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
+    if ids.size and ids.min() < low:
+        raise SchemaError(path, f"token ids must be >= {low}, got {ids.min()}")
+    return ids
+
+
+def _call(v: Any, path: str) -> Call:
+    d = _struct(v, path, ("prompt_ids", "completion_ids", "logprobs", "version", "support"))
+    prompt = _ids(_shaped(d["prompt_ids"], f"{path}.prompt_ids", TOKEN_DTYPE), f"{path}.prompt_ids")
+    completion = _ids(_shaped(d["completion_ids"], f"{path}.completion_ids", TOKEN_DTYPE),
+                      f"{path}.completion_ids")
+    logprobs = _shaped(d["logprobs"], f"{path}.logprobs", LOGPROB_DTYPE)
+    n = len(completion)
+    if len(logprobs) != n:
+        raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} log-probs for {n} completion tokens")
+    if not np.isfinite(logprobs).all() or (n and logprobs.max() > LOGPROB_EPSILON):
+        raise SchemaError(f"{path}.logprobs", f"must be finite and <= 0, got {logprobs.max()}")
+    version = _int(d["version"], f"{path}.version")
+    where = f"{path}.support"
+    support = None if d["support"] is None else _ids(_array(d["support"], where, TOKEN_DTYPE), where, -1)
+    if support is not None and (support.ndim != 2 or support.shape[0] != n):
+        raise SchemaError(f"{path}.support.shape", f"must be [{n}, k], got {list(support.shape)}")
+    return Call(prompt, completion, logprobs, version, support)
+
+
+def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
+    """`{"dtype", "shape", "data"}` (a step's arrays) or, with `dtype`, `{"shape", "data"}`."""
+    d = _struct(v, path, ("shape", "data") if dtype is not None else ("dtype", "shape", "data"))
+    if dtype is None:
+        if not isinstance(d["dtype"], str) or d["dtype"] not in ARRAY_DTYPES:
+            raise SchemaError(f"{path}.dtype", f"must be one of {sorted(ARRAY_DTYPES)}, got {d['dtype']!r}")
+        dtype = np.dtype(d["dtype"])
+    shape = _seq(_int)(d["shape"], f"{path}.shape")
+    if len(shape) > _MAX_NDIM:
+        raise SchemaError(f"{path}.shape", f"more than {_MAX_NDIM} dimensions")
+    arr = _shaped(d["data"], f"{path}.data", dtype, shape)
+    if dtype.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
+        raise SchemaError(f"{path}.data", "booleans must be bytes 0 or 1")
+    if dtype.kind == "f" and not np.isfinite(arr).all():
+        raise SchemaError(f"{path}.data", "must be finite")
+    return arr
+
+
+_nonneg_float = partial(_float, nonneg=True)
+_nonempty_str = partial(_str, nonempty=True)
+_STATUSES = tuple(s.value for s in Status)
+
+# ---------------------------------------------------------------- messages
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that also holds for numpy arrays (by dtype, shape and values) inside values."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(np.array_equal(a, b)))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(
+            _same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+class Message:
+    """Base of every message kind; `KIND` is its `"k"` tag on the wire. Messages compare
+    equal field by field, numpy arrays (token ids, a step's arrays) included."""
+
+    KIND: ClassVar[str]
+    SPEC: ClassVar[dict[str, Callable[[Any, str], Any]]]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Message):
+            return NotImplemented
+        return _same(self, other)
+
+
+_KINDS: dict[str, type[Message]] = {}
+
+
+def _message(kind: str, **spec: Callable[[Any, str], Any]):
+    """Register a message dataclass under `kind`, checked by `spec` (a checker per field, in order)."""
+    def register(cls: type) -> type:
+        names = [f.name for f in dataclasses.fields(cls)]
+        if names != list(spec):
+            raise TypeError(f"{cls.__name__}: spec {list(spec)} != fields {names}")
+        cls.KIND, cls.SPEC = kind, spec
+        _KINDS[kind] = cls
+        return cls
+    return register
+
+
+@dataclass(frozen=True, eq=False)
+class _ShardMessage(Message):
+    shard: int
+    epoch: int
+
+
+@dataclass(frozen=True, eq=False)
+class _SampleMessage(_ShardMessage):
+    group: int
+    sample: int
+    attempt: int
+
+
+_SHARD = {"shard": _int, "epoch": _int}
+_SAMPLE = {**_SHARD, "group": _int, "sample": _int, "attempt": _int}
+
+
+@_message("open", **_SHARD)
+@dataclass(frozen=True, eq=False)
+class Open(_ShardMessage):
+    """The trainer (re)opened its task stream: epoch `epoch` starts."""
+
+
+@_message("registration", **_SHARD, batch=_int, tasks=_seq(_task))
+@dataclass(frozen=True, eq=False)
+class Registration(_ShardMessage):
+    """Task batch `batch`, as the trainer's prefetch read it."""
+    batch: int
+    tasks: tuple[Task, ...]
+
+
+@_message("handover", **_SHARD, step=_int, updates=_int, published=_opt(_int))
+@dataclass(frozen=True, eq=False)
+class Handover(_ShardMessage):
+    """The trainer calls for step `step` after `updates` updates (`published`: its pushed version)."""
+    step: int
+    updates: int
+    published: int | None = None
+
+
+@_message("work", **_SAMPLE, task=_task, submitted_version=_int, deadline=_opt(_nonneg_float),
+          cause=_opt(_choice(CAUSES)))
+@dataclass(frozen=True, eq=False)
+class Work(_SampleMessage):
+    """One attempt of one sample to run; `deadline` is wall-clock seconds since the epoch."""
+    task: Task
+    submitted_version: int
+    deadline: float | None = None
+    cause: str | None = None
+
+
+@_message("cancel", **_SAMPLE, reason=_nonempty_str)
+@dataclass(frozen=True, eq=False)
+class Cancel(_SampleMessage):
+    """Stop running this attempt (broadcast on the control stream)."""
+    reason: str
+
+
+@_message("result", **_SAMPLE, consumer=_nonempty_str, status=_choice(_STATUSES, Status),
+          reward=_opt(_float), components=_map(_float), calls=_seq(_call), truncation=_opt(_str),
+          timings=_map(_nonneg_float), error=_opt(_str))
+@dataclass(frozen=True, eq=False)
+class Result(_SampleMessage):
+    """What one attempt produced; `error` holds the traceback when the source raised."""
+    consumer: str
+    status: Status
+    reward: float | None = None
+    components: dict[str, float] = field(default_factory=dict)
+    calls: tuple[Call, ...] = ()
+    truncation: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    def session(self) -> Session:
+        return Session(self.status, self.reward, dict(self.components), list(self.calls),
+                       self.truncation, dict(self.timings))
+
+    @classmethod
+    def from_session(cls, shard: int, epoch: int, group: int, sample: int, attempt: int,
+                     session: Session, consumer: str, error: str | None = None) -> Result:
+        return cls(shard, epoch, group, sample, attempt, consumer, session.status, session.reward,
+                   dict(session.components), tuple(session.calls), session.truncation,
+                   dict(session.timings), error)
+
+
+@_message("weights", version=_int, location=_nonempty_str, digest=_str, size=_int)
+@dataclass(frozen=True, eq=False)
+class Weights(Message):
+    """Weight version `version` is published at `location` (`size` bytes, `digest`)."""
+    version: int
+    location: str
+    digest: str
+    size: int
+
+
+@_message("ready", **_SHARD, step=_int, updates=_int, arrays=_map(_array), record=_map(_native))
+@dataclass(frozen=True, eq=False)
+class Ready(_ShardMessage):
+    """A packed step for the trainer: numeric arrays and the step's record."""
+    step: int
+    updates: int
+    arrays: dict[str, np.ndarray]
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+@_message("record", **_SHARD, step=_int, updates=_int, version=_int, lag=_int, groups=_int,
+          resubmitted=_map(_int), cancelled=_int, abandoned=_int, cut=_int,
+          waited=_nonneg_float, metrics=_map(_float))
+@dataclass(frozen=True, eq=False)
+class Record(_ShardMessage):
+    """The SchedulerRecord of one trainer call."""
+    step: int
+    updates: int
+    version: int
+    lag: int
+    groups: int
+    resubmitted: dict[str, int]
+    cancelled: int
+    abandoned: int
+    cut: int
+    waited: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- codec
+
+
+def _wire(v: Any, depth: int = 0) -> Any:
+    """Python value -> msgpack-ready value (the checkers then validate it)."""
+    if depth > 2 * _MAX_DEPTH:
+        raise SchemaError("message", "nested too deeply")
+    if isinstance(v, Message):
+        out = {"v": SCHEMA_VERSION, "k": v.KIND}
+        out.update((f.name, _wire(getattr(v, f.name), depth + 1)) for f in dataclasses.fields(v))
+        return out
+    if isinstance(v, Status):
+        return v.value
+    if isinstance(v, Task):
+        return {"id": v.id, "payload": _wire(v.payload, depth + 1)}
+    if isinstance(v, Call):
+        support = None
+        if v.support is not None:
+            s = np.ascontiguousarray(v.support, TOKEN_DTYPE)
+            support = {"shape": list(s.shape), "data": s.tobytes()}
+        return {"prompt_ids": np.ascontiguousarray(v.prompt_ids, TOKEN_DTYPE).tobytes(),
+                "completion_ids": np.ascontiguousarray(v.completion_ids, TOKEN_DTYPE).tobytes(),
+                "logprobs": np.ascontiguousarray(v.logprobs, LOGPROB_DTYPE).tobytes(),
+                "version": _wire(v.version), "support": support}
+    if isinstance(v, np.ndarray):
+        if v.dtype.kind not in "biuf":  # refused by the checks, and never turned into bytes
+            return {"dtype": v.dtype.str, "shape": list(v.shape), "data": b""}
+        dt = v.dtype.newbyteorder("<")
+        return {"dtype": dt.str, "shape": list(v.shape), "data": np.ascontiguousarray(v, dt).tobytes()}
+    if isinstance(v, Mapping):
+        return {k: _wire(x, depth + 1) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_wire(x, depth + 1) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
+    if not isinstance(d, dict):
+        raise SchemaError("message", f"expected a map, got {_tn(d)}")
+    if "v" not in d:
+        raise SchemaError("v", "missing")
+    if type(d["v"]) is not int or d["v"] != SCHEMA_VERSION:
+        raise SchemaError("v", f"schema version {d['v']!r} is not supported (this is {SCHEMA_VERSION})")
+    kind = d.get("k")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise SchemaError("k", f"unknown kind {kind!r}")
+    if expect is not None and not issubclass(cls, expect):
+        names = [t.KIND for t in (expect if isinstance(expect, tuple) else (expect,))]
+        raise SchemaError("k", f"expected {' or '.join(names)}, got {kind!r}")
+    for key in d:
+        if key not in cls.SPEC and key not in ("v", "k"):
+            raise SchemaError(str(key), "unknown field")
+    values = {}
+    for name, check in cls.SPEC.items():
+        if name not in d:
+            raise SchemaError(name, "missing")
+        values[name] = check(d[name], name)
+    return cls(**values)
+
+
+def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+    """The msgpack bytes of `msg`, after the checks `decode` will make (SchemaError if not)."""
+    if not isinstance(msg, Message):
+        raise TypeError(f"not a message: {_tn(msg)}")
+    wire = _wire(msg)
+    _parse(wire)
+    try:
+        data = msgpack.packb(wire, use_bin_type=True)
+    except Exception as exc:  # noqa: BLE001 (a str that is not UTF-8, and the like)
+        raise SchemaError("message", f"cannot pack: {exc}") from None
+    if len(data) > max_bytes:
+        raise SchemaError("message", f"{len(data)} bytes exceeds the limit of {max_bytes}")
+    return data
+
+
+def decode(data: bytes, expect: type | tuple[type, ...] | None = None, *,
+           max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """The message in `data`; with `expect`, refuse other kinds. Raises only SchemaError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SchemaError("message", f"expected bytes, got {_tn(data)}")
+    if len(data) > max_bytes:
+        raise SchemaError("message", f"{len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=max_bytes,
+                              max_bin_len=max_bytes, max_array_len=len(data),
+                              max_map_len=len(data), max_ext_len=0)
+    except Exception as exc:  # noqa: BLE001 (msgpack raises many kinds; none may leak)
+        raise SchemaError("message", f"not msgpack ({_tn(exc)}: {exc})") from None
+    return _parse(obj, expect)
+
+
+def to_fields(msg: Message) -> dict[bytes, bytes]:
+    """The fields of the stream entry carrying `msg`."""
+    return {FIELD: encode(msg)}
+
+
+def from_fields(fields: Mapping, expect: type | tuple[type, ...] | None = None, *,
+                max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """The message of a stream entry's fields (as redis-py returns them)."""
+    data = fields.get(FIELD, fields.get("m")) if isinstance(fields, Mapping) else None
+    if data is None:
+        raise SchemaError("m", "missing")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SchemaError("m", f"expected bytes, got {_tn(data)}")
+    return decode(data, expect, max_bytes=max_bytes)
+
+
+def _b(v: Any) -> bytes:
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v)
+    return str(v).encode("utf-8", "backslashreplace")
+
+
+def dead_letter_fields(stream: str, entry_id: bytes | str, reason: str, raw: Mapping) -> dict[bytes, bytes]:
+    """The dead-letter entry for an entry of `stream` that could not be handled: where it came
+    from, why, the names of its fields and its `m` bytes (the first DEAD_LETTER_BYTES)."""
+    raw = raw if isinstance(raw, Mapping) else {}
+    m = raw.get(FIELD, raw.get("m"))
+    m = b"" if m is None else _b(m)
+    return {b"stream": _b(stream), b"id": _b(entry_id), b"reason": _b(reason)[:DEAD_LETTER_BYTES],
+            b"fields": b",".join(_b(k) for k in raw)[:1024], b"size": str(len(m)).encode(),
+            b"m": m[:DEAD_LETTER_BYTES]}

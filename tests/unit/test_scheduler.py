@@ -1,0 +1,524 @@
+"""One test per rule of the scheduler specification (admission, staleness, long tail,
+weight pushes, epochs, broken sources, SchedulerRecord) and of sample-completion backfill."""
+
+import pytest
+
+from pipeline.config import ConfigError, SchedulerConfig, build
+from pipeline.scheduler import Handover, ProtocolError, Register, Scheduler
+from pipeline.sessions import Task
+from tests.unit.driver import (
+    Abandon, Cancel, Discard, Driver, Emit, Fail, PushWeights, SampleKey, Status, Submit, of,
+)
+
+# ------------------------------------------------------------- registration and handover
+
+
+def test_nothing_is_submitted_before_the_first_handover():
+    d = Driver(groups=2)
+    d.open()
+    assert d.register(0) == [] and d.register(1) == []
+
+
+def test_handover_of_batch_i_submits_batches_up_to_i_plus_ahead():
+    d = Driver(groups=2, ahead=2, max_lag=2)
+    d.open()
+    for b in range(4):
+        d.register(b, n=3)
+    acts = d.handover(0)
+    batches = {d.sched._groups[k.group].batch for k in (a.key for a in of(Submit, acts))}
+    assert batches == {0, 1, 2}
+    assert len(of(Submit, acts)) == 3 * 3 * 2
+    d.finish_group(d.groups()[0]), d.finish_group(d.groups()[1]), d.finish_group(d.groups()[2])
+    acts = d.handover(1)
+    assert {a.task.id.split(".")[0] for a in of(Submit, acts)} == {"t3"}
+
+
+def test_a_batch_registered_late_inside_the_window_is_submitted_at_once():
+    d = Driver(groups=1, ahead=1)
+    d.open()
+    d.register(0, n=1)
+    d.handover(0)
+    assert [a.task.id for a in of(Submit, d.register(1, n=1))] == ["t1.0"]
+    d.finish_group(d.groups()[0])
+    assert of(Submit, d.register(2, n=1)) == []  # batch 2 waits for handover 1
+
+
+def test_each_task_becomes_one_group_relabelled_by_group_sample_attempt():
+    d = Driver(groups=3, oversample=1, ahead=0, max_lag=0)
+    d.open(epoch=7)
+    d.register(0, n=2)
+    subs = of(Submit, d.handover(0))
+    by_group: dict[int, list[SampleKey]] = {}
+    for s in subs:
+        by_group.setdefault(s.key.group, []).append(s.key)
+        assert s.key.epoch == 7 and s.key.attempt == 0 and s.cause is None
+    assert sorted(len(v) for v in by_group.values()) == [4, 4]
+    assert all(sorted(k.sample for k in v) == [0, 1, 2, 3] for v in by_group.values())
+    tasks = {s.key.group: s.task.id for s in subs}
+    assert sorted(tasks.values()) == ["t0.0", "t0.1"]
+
+
+@pytest.mark.parametrize("bad", [
+    lambda d: d.handover(0),  # batch 0 never registered
+    lambda d: (d.register(0), d.register(0)),  # registered twice
+    lambda d: (d.register(0), d.handover(0), d.register(1), d.handover(1)),  # step 0 pending
+    lambda d: d.send(Register(0, ())),  # empty batch
+])
+def test_protocol_violations_are_refused(bad):
+    d = Driver(groups=1)
+    d.open()
+    with pytest.raises(ProtocolError):
+        bad(d)
+
+
+def test_events_before_the_stream_is_opened_are_refused():
+    with pytest.raises(ProtocolError, match="opened"):
+        Scheduler(SchedulerConfig()).handle(Register(0, (Task("a"),)), 0.0)
+
+
+def test_admit_above_the_batch_size_is_refused_naming_admit():
+    d = Driver(groups=1, admit=3)
+    d.open()
+    with pytest.raises(ProtocolError, match="admit=3"):
+        d.register(0, n=2)
+    with pytest.raises(ConfigError, match="admit=3 exceeds batch_size=2"):
+        build(SchedulerConfig, {"admit": 3, "batch_size": 2})
+
+
+def test_construction_refuses_max_lag_below_ahead_plus_sync_every_minus_one():
+    with pytest.raises(ConfigError, match="max_lag"):
+        build(SchedulerConfig, {"ahead": 2, "sync_every": 2, "max_lag": 2})
+    assert build(SchedulerConfig, {"ahead": 2, "sync_every": 2, "max_lag": 3}).max_lag == 3
+
+
+# ------------------------------------------------------------- admission by status
+
+
+def _one_group(**config) -> Driver:
+    config.setdefault("ahead", 0)
+    config.setdefault("max_lag", 0)
+    d = Driver(**config)
+    d.open()
+    d.register(0, n=1)
+    d.handover(0)
+    return d
+
+
+@pytest.mark.parametrize("status", [Status.COMPLETED, Status.AGENT_ERROR])
+def test_completed_and_agent_error_are_admitted(status):
+    d = _one_group(groups=2)
+    acts = d.finish_group(0, status=status, reward=0.5)
+    (emit,) = of(Emit, acts)
+    assert [len(g.samples) for g in emit.groups] == [2]
+    assert of(Submit, acts) == [] and of(Discard, acts) == []
+
+
+@pytest.mark.parametrize("truncation,reward", [("mask", None), ("mask", 1.0), ("zero", None),
+                                               ("score", 0.0)])
+def test_truncated_is_admitted_under_its_policy(truncation, reward):
+    d = _one_group(groups=2, truncation=truncation)
+    acts = d.finish_group(0, status=Status.TRUNCATED, reward=reward)
+    assert len(of(Emit, acts)) == 1 and of(Submit, acts) == []
+
+
+def test_unscored_truncation_under_score_is_resubmitted_as_a_failed_attempt():
+    d = _one_group(groups=1, truncation="score", max_attempts=2)
+    (key,) = d.running()
+    acts = d.finish(key, status=Status.TRUNCATED, reward=None)
+    (sub,) = of(Submit, acts)
+    assert sub.cause == "unscored" and sub.key.attempt == 1 and sub.key.sample == key.sample
+    assert of(Discard, acts)[0].reason == "unscored"
+    acts = d.finish(sub.key, status=Status.TRUNCATED, reward=None)  # second failure: abandoned
+    assert len(of(Abandon, acts)) == 1
+
+
+@pytest.mark.parametrize("status,cause", [(Status.INFRA_ERROR, "infra_error"),
+                                          (Status.CANCELLED, "cancelled")])
+def test_infra_error_and_cancelled_are_resubmitted_under_the_served_weights(status, cause):
+    d = Driver(groups=1, ahead=1, max_lag=1)
+    d.open()
+    d.register(0, n=1), d.register(1, n=1), d.register(2, n=1)
+    d.handover(0)
+    d.finish_group(0)
+    d.handover(1)  # pushes version 1
+    assert d.sched.served == 1
+    (key,) = d.running_of(1)
+    assert d.submitted[key].submitted_version == 0
+    (sub,) = of(Submit, d.finish(key, status=status, reward=None))
+    assert (sub.cause, sub.key.attempt, sub.submitted_version) == (cause, 1, 1)
+
+
+def test_max_attempts_failures_abandon_the_group_rather_than_train_it_incomplete():
+    d = _one_group(groups=2, max_attempts=3)
+    keep, key = d.running()
+    for attempt in range(3):
+        acts = d.finish(key, status=Status.INFRA_ERROR, reward=None)
+        if attempt < 2:
+            (sub,) = of(Submit, acts)
+            key = sub.key
+    (ab,) = of(Abandon, acts)
+    assert ab.cause == "infra_error" and ab.task.id == "t0.0"
+    assert [c.key for c in of(Cancel, acts)] == [keep]  # the sibling is cancelled
+    (emit,) = of(Emit, acts)  # the batch is settled: an empty step, not an incomplete group
+    assert emit.groups == () and emit.record.abandoned == 1 and emit.record.cancelled == 1
+    assert emit.record.resubmitted["infra_error"] == 2
+
+
+def test_with_oversample_one_exhausted_sample_does_not_abandon_a_group_that_can_complete():
+    d = _one_group(groups=2, oversample=1, max_attempts=1)
+    a, b, c = d.running()
+    acts = d.finish(a, status=Status.INFRA_ERROR, reward=None)
+    assert of(Abandon, acts) == [] and of(Submit, acts) == []
+    d.finish(b)
+    (emit,) = of(Emit, d.finish(c))
+    assert emit.groups[0].samples == (b, c)
+
+
+def test_a_result_for_a_superseded_attempt_is_dropped():
+    d = _one_group(groups=1)
+    (key,) = d.running()
+    (sub,) = of(Submit, d.finish(key, status=Status.INFRA_ERROR, reward=None))
+    acts = d.finish(key)  # a duplicate delivery of the old attempt
+    assert acts == [Discard(key, "superseded")]
+    (emit,) = of(Emit, d.finish(sub.key))
+    assert emit.groups[0].samples == (sub.key,)
+
+
+# ------------------------------------------------------------- staleness
+
+
+def test_a_result_whose_oldest_call_is_past_max_lag_is_discarded_and_resubmitted():
+    d = Driver(groups=1, ahead=1, max_lag=1, max_attempts=1)
+    d.open()
+    for b in range(3):
+        d.register(b, n=1)
+    d.handover(0)
+    d.finish_group(0)
+    d.handover(1)
+    d.finish_group(1)
+    d.handover(2)  # updates 2
+    (key,) = d.running_of(2)
+    acts = d.finish(key, oldest=0)  # lag 2 > 1
+    assert of(Discard, acts) == [Discard(key, "stale")]
+    (sub,) = of(Submit, acts)
+    assert sub.cause == "stale" and sub.submitted_version == 2
+    # stale is not a failed attempt: max_attempts=1 and the group is not abandoned
+    assert of(Abandon, acts) == []
+    (emit,) = of(Emit, d.finish(sub.key, oldest=2))
+    assert emit.record.resubmitted["stale"] == 1 and emit.record.lag == 0
+
+
+def test_a_running_rollout_whose_submission_is_past_the_bound_is_cancelled_before_waiting():
+    d = Driver(groups=1, ahead=1, max_lag=1)
+    d.open()
+    for b in range(3):
+        d.register(b, n=1)
+    d.handover(0, updates=0)
+    d.finish_group(0)
+    (old,) = d.running_of(1)
+    acts = d.handover(1, updates=3)  # the trainer made three updates: version 0 is 3 behind
+    cancels = of(Cancel, acts)
+    assert Cancel(old, "stale") in cancels
+    resub = [s for s in of(Submit, acts) if s.key.group == old.group]
+    assert resub[0].cause == "stale" and resub[0].submitted_version == 3
+    assert acts.index(of(PushWeights, acts)[0]) < acts.index(resub[0])
+
+
+def test_consumption_rechecks_the_lag_of_results_admitted_early():
+    d = Driver(groups=2, ahead=1, max_lag=1)
+    d.open()
+    for b in range(3):
+        d.register(b, n=1)
+    d.handover(0, updates=0)
+    early, running = d.running_of(1)
+    d.finish(early, oldest=0)  # batch 1's first sample admitted at lag 0
+    d.finish_group(0)
+    acts = d.handover(1, updates=2)  # now its lag is 2
+    assert Discard(early, "stale") in of(Discard, acts)
+    assert Cancel(running, "stale") in of(Cancel, acts)  # its sibling, still running, too
+    assert of(Emit, acts) == []
+    new = sorted(s.key for s in of(Submit, acts) if s.key.group == early.group)
+    assert [(k.sample, k.attempt) for k in new] == [(0, 1), (1, 1)]
+    assert all(s.cause == "stale" for s in of(Submit, acts) if s.key in new)
+    d.finish(new[0], oldest=2)
+    (emit,) = of(Emit, d.finish(new[1], oldest=2))
+    assert emit.record.lag == 0 and emit.record.resubmitted["stale"] == 2
+
+
+def test_no_stale_cancel_when_the_engines_serve_nothing_fresher():
+    d = Driver(groups=1, ahead=1, max_lag=1, sync_every=1)
+    d.open()
+    d.register(0, n=1), d.register(1, n=1)
+    d.handover(0, updates=0)
+    # a push makes the engines fresher, so a stale running rollout is replaced
+    d.finish_group(0)
+    acts = d.handover(1, updates=5)
+    assert of(PushWeights, acts) == [PushWeights(5)] and len(of(Cancel, acts)) == 1
+
+
+# ------------------------------------------------------------- timeouts
+
+
+def test_a_rollout_past_its_deadline_is_cancelled_and_resubmitted_as_a_failed_attempt():
+    d = Driver(groups=1, ahead=0, max_lag=0, timeout_s=10.0, max_attempts=2)
+    d.open()
+    d.register(0, n=1)
+    (sub,) = of(Submit, d.handover(0))
+    assert sub.deadline == pytest.approx(10.0)
+    assert d.tick(9.9) == []
+    acts = d.tick(0.2)
+    assert of(Cancel, acts) == [Cancel(sub.key, "timeout")]
+    (again,) = of(Submit, acts)
+    assert again.cause == "timeout" and again.deadline == pytest.approx(20.1)
+    acts = d.tick(10.0)  # second timeout: max_attempts=2 reached
+    assert len(of(Abandon, acts)) == 1 and of(Abandon, acts)[0].cause == "timeout"
+    (emit,) = of(Emit, acts)
+    assert emit.record.resubmitted["timeout"] == 1 and emit.record.abandoned == 1
+
+
+# ------------------------------------------------------------- the long tail
+
+
+def test_oversample_admits_the_first_groups_finishers_and_cancels_the_rest():
+    d = _one_group(groups=2, oversample=2)
+    a, b, c, e = d.running()
+    d.finish(c)
+    acts = d.finish(a)
+    assert sorted(x.key for x in of(Cancel, acts)) == [b, e]
+    assert all(x.reason == "surplus" for x in of(Cancel, acts))
+    (emit,) = of(Emit, acts)
+    assert emit.groups[0].samples == (c, a)  # finishing order
+    assert emit.record.cancelled == 2
+
+
+def test_admit_takes_the_first_admit_groups_to_complete_and_cancels_the_others():
+    d = Driver(groups=1, admit=2, ahead=0, max_lag=0)
+    d.open()
+    d.register(0, n=4)
+    d.handover(0)
+    g = d.groups()
+    d.finish_group(g[2])
+    acts = d.finish_group(g[0])
+    assert sorted(c.key.group for c in of(Cancel, acts)) == [g[1], g[3]]
+    (emit,) = of(Emit, acts)
+    assert [x.group for x in emit.groups] == [g[2], g[0]]
+    assert emit.record.groups == 2 and emit.record.cancelled == 2
+
+
+def test_groups_complete_before_the_handover_are_emitted_at_the_handover():
+    d = Driver(groups=1, ahead=1)
+    d.open()
+    d.register(0, n=1), d.register(1, n=1), d.register(2, n=1)
+    d.handover(0)
+    d.finish_group(0)
+    assert of(Emit, d.finish_group(1)) == []  # step 1 not called yet
+    (emit,) = of(Emit, d.handover(1))
+    assert emit.step == 1 and emit.record.waited == 0.0
+
+
+# ------------------------------------------------------------- weights
+
+
+def test_weights_are_pushed_when_the_served_version_falls_sync_every_behind():
+    d = Driver(groups=1, ahead=1, sync_every=2, max_lag=2)
+    d.open()
+    for b in range(7):
+        d.register(b, n=1)
+    pushes = []
+    for step in range(6):
+        acts = d.handover(step)
+        pushes.append([p.version for p in of(PushWeights, acts)])
+        d.finish_group(min(k.group for k in d.running()))
+    assert pushes == [[], [], [2], [], [4], []]
+
+
+def test_submissions_after_a_push_carry_the_new_version_and_running_ones_keep_running():
+    d = Driver(groups=1, ahead=1, max_lag=1)
+    d.open()
+    for b in range(3):
+        d.register(b, n=1)
+    d.handover(0)
+    d.finish_group(0)
+    acts = d.handover(1)
+    assert of(PushWeights, acts) == [PushWeights(1)] and of(Cancel, acts) == []
+    (sub,) = of(Submit, acts)
+    assert sub.submitted_version == 1 and acts.index(of(PushWeights, acts)[0]) < acts.index(sub)
+    # the rollout running across the push finishes with calls of both versions
+    (emit,) = of(Emit, d.finish_group(1, oldest=0))
+    assert emit.record.version == 0 and emit.record.lag == 1
+
+
+def test_published_versions_are_served_and_need_no_push():
+    d = Driver(groups=1, ahead=0, max_lag=0)
+    d.open()
+    d.register(0, n=1), d.register(1, n=1)
+    d.handover(0)
+    d.finish_group(d.groups()[0])
+    d.publish(1)
+    acts = d.handover(1, updates=1)
+    assert of(PushWeights, acts) == [] and of(Submit, acts)[0].submitted_version == 1
+
+
+def test_handover_with_published_version_suppresses_the_push():
+    d = Driver(groups=1, ahead=0, max_lag=0)
+    d.open()
+    d.register(0, n=1)
+    acts = d.send(Handover(0, 3, published=3))
+    assert of(PushWeights, acts) == [] and of(Submit, acts)[0].submitted_version == 3
+
+
+# ------------------------------------------------------------- epochs, broken sources, close
+
+
+def test_reopening_the_stream_cancels_everything_the_old_epoch_left_running():
+    d = Driver(groups=2, ahead=1)
+    d.open(0)
+    d.register(0, n=2), d.register(1, n=2)
+    d.handover(0)
+    old = d.running()
+    acts = d.open(1)
+    assert sorted(c.key for c in of(Cancel, acts)) == old
+    assert {c.reason for c in of(Cancel, acts)} == {"epoch"}
+    assert d.finish(old[0]) == [Discard(old[0], "superseded")]
+    d.register(0, n=1)
+    subs = of(Submit, d.handover(0))
+    assert subs and all(s.key.epoch == 1 for s in subs)
+    with pytest.raises(ProtocolError):
+        d.open(1)
+
+
+def test_a_source_that_raises_fails_the_step_after_the_work_is_cancelled():
+    d = Driver(groups=2, ahead=1)
+    d.open()
+    d.register(0, n=2), d.register(1, n=2)
+    d.handover(0)
+    first, *rest = d.running()
+    acts = d.finish(first, status=Status.INFRA_ERROR, error="Traceback: boom")
+    (fail,) = of(Fail, acts)
+    assert fail.step == 0 and "boom" in fail.error
+    assert sorted(c.key for c in of(Cancel, acts)) == rest
+    assert acts.index(fail) > max(acts.index(c) for c in of(Cancel, acts))
+    assert of(Submit, acts) == []
+
+
+def test_a_source_error_between_steps_fails_the_next_handover():
+    d = Driver(groups=1, ahead=1)
+    d.open()
+    d.register(0, n=1), d.register(1, n=1), d.register(2, n=1)
+    d.handover(0)
+    d.finish_group(0)
+    (key,) = d.running()
+    d.finish(key, error="Traceback: env crashed")
+    (fail,) = of(Fail, d.handover(1))
+    assert fail.step == 1 and "env crashed" in fail.error
+
+
+def test_close_cancels_every_rollout_in_flight():
+    d = Driver(groups=2, ahead=1)
+    d.open()
+    d.register(0, n=2), d.register(1, n=2)
+    d.handover(0)
+    running = d.running()
+    acts = d.close()
+    assert sorted(c.key for c in of(Cancel, acts)) == running and d.sched.in_flight == 0
+
+
+# ------------------------------------------------------------- SchedulerRecord
+
+
+def test_record_counts_one_call_and_resets_for_the_next():
+    d = Driver(groups=2, oversample=1, ahead=0, max_lag=0, max_attempts=3)
+    d.open()
+    d.register(0, n=2), d.register(1, n=1)
+    d.handover(0)
+    g0, g1 = d.groups()
+    a, b, c = d.running_of(g0)
+    (r,) = of(Submit, d.finish(a, status=Status.INFRA_ERROR, reward=None, dt=1.0))
+    (r2,) = of(Submit, d.finish(r.key, status=Status.CANCELLED, reward=None, dt=1.0))
+    d.finish(b, dt=1.0), d.finish(c, dt=1.0)  # g0 complete, r2 cancelled as surplus
+    (emit,) = of(Emit, d.finish_group(g1, n=2, dt=1.0))
+    rec = emit.record
+    assert rec.groups == 2 and rec.updates == 0 and rec.version == 0 and rec.lag == 0
+    assert rec.resubmitted == {"infra_error": 1, "cancelled": 1, "stale": 0, "timeout": 0,
+                               "unscored": 0}
+    assert rec.cancelled == 2 and rec.abandoned == 0 and rec.cut == 0
+    assert rec.waited == pytest.approx(6.0)
+    (emit,) = of(Emit, d.finish_group(of(Submit, d.handover(1))[0].key.group, n=2, dt=0.5))
+    assert emit.record.resubmitted["infra_error"] == 0 and emit.record.cancelled == 1
+    assert emit.record.waited == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------- stream admission (backfill)
+
+
+def _stream(**config) -> Driver:
+    config = {"admission": "stream", "groups": 2, "ahead": 0, "max_lag": 0, **config}
+    d = Driver(**config)
+    d.open()
+    return d
+
+
+def test_stream_fills_the_in_flight_target_from_registered_batches_in_order():
+    d = _stream(inflight_samples=6)
+    acts = d.register(0, n=2) + d.register(1, n=3)
+    assert [s.task.id for s in of(Submit, acts)][::2] == ["t0.0", "t0.1", "t1.0"]
+    assert d.sched.in_flight == 6 and d.sched.credits == 0
+
+
+def test_every_finished_sample_is_one_credit_whatever_its_outcome():
+    d = _stream(inflight_samples=4, max_attempts=1)
+    d.register(0, n=4)
+    g0, g1 = d.groups()
+    a, b = d.running_of(g0)
+    acts = d.finish(a, status=Status.INFRA_ERROR, reward=None)  # exhausts: group abandoned
+    assert of(Abandon, acts) and Cancel(b, "abandoned") in acts
+    (new,) = {s.key.group for s in of(Submit, acts)}  # two credits: one new group
+    assert new not in (g0, g1) and d.sched.in_flight == 4
+
+
+def test_a_resubmission_takes_one_credit_and_groups_credits_submit_one_group():
+    d = _stream(inflight_samples=4, max_attempts=3)
+    d.register(0, n=5)
+    g0, g1 = d.groups()
+    a, b = d.running_of(g0)
+    (sub,) = of(Submit, d.finish(a, status=Status.INFRA_ERROR, reward=None))
+    assert sub.key.group == g0 and sub.cause == "infra_error" and d.sched.credits == 0
+    acts = d.finish(b)  # one credit: not yet a group
+    assert of(Submit, acts) == [] and d.sched.credits == 1
+    acts = d.finish(d.running_of(g1)[0])
+    assert len(of(Submit, acts)) == 2 and d.sched.credits == 0
+
+
+def test_stream_step_trains_the_first_admit_complete_groups_from_any_batch():
+    d = _stream(inflight_samples=8, admit=2, max_lag=1)
+    d.register(0, n=2), d.register(1, n=2)
+    g = d.groups()
+    d.handover(0)
+    d.finish_group(g[3]), d.finish_group(g[1])
+    # the trainer's call is answered with the two groups that completed first
+    emits = of(Emit, d.actions)
+    assert [x.group for x in emits[0].groups] == [g[3], g[1]]
+    d.finish_group(g[0])
+    (emit,) = of(Emit, d.handover(1) + d.finish_group(g[2]))
+    assert [x.group for x in emit.groups] == [g[0], g[2]]
+
+
+def test_stream_drops_stale_members_of_waiting_groups_at_consumption():
+    d = _stream(inflight_samples=4, admit=1, max_lag=1, ahead=1)
+    d.register(0, n=4)
+    g0, g1 = d.groups()
+    d.finish_group(g0, oldest=0)
+    acts = d.handover(0, updates=3)
+    stale = [x for x in of(Discard, acts) if x.reason == "stale"]
+    assert len(stale) == 2 and of(Emit, acts) == []
+
+
+def test_stream_emits_what_it_has_once_nothing_is_left_to_run():
+    d = _stream(inflight_samples=2, admit=2, max_attempts=1)
+    d.register(0, n=2)
+    d.handover(0)
+    g0, = d.groups()
+    d.finish_group(g0)
+    g1 = [g for g in d.groups() if g != g0][0]
+    (emit,) = of(Emit, d.finish(d.running_of(g1)[0], status=Status.INFRA_ERROR, reward=None))
+    assert [x.group for x in emit.groups] == [g0] and emit.record.abandoned == 1

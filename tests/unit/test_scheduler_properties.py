@@ -1,0 +1,185 @@
+"""Property tests of the scheduling state machine over random event sequences: random
+configs, statuses, staleness, timeouts, duplicate deliveries, broken sources and epochs."""
+
+import os
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.scheduler import FAILURE_CAUSE, Finish
+from tests.unit.driver import Cancel, Discard, Driver, Emit, Status, of
+
+FAILURES = set(FAILURE_CAUSE.values()) | {"unscored", "timeout"}
+EXAMPLES = int(os.environ.get("ROLLSTREAM_PROPERTY_EXAMPLES", "150"))  # raise for a soak run
+
+
+@st.composite
+def configs(draw, admission=None):
+    admission = admission or draw(st.sampled_from(["batch", "stream"]))
+    groups = draw(st.integers(1, 3))
+    oversample = draw(st.integers(0, 2))
+    ahead = draw(st.integers(0, 2))
+    sync_every = draw(st.integers(1, 2))
+    batch = draw(st.integers(1, 3))
+    cfg = dict(
+        admission=admission, groups=groups, oversample=oversample, ahead=ahead,
+        sync_every=sync_every, max_lag=ahead + sync_every - 1 + draw(st.integers(0, 1)),
+        max_attempts=draw(st.integers(1, 3)),
+        timeout_s=draw(st.sampled_from([None, 4.0])),
+        truncation=draw(st.sampled_from(["mask", "score", "zero"])),
+        admit=draw(st.sampled_from([None, *range(1, batch + 1)])),
+        batch_size=batch,
+    )
+    if admission == "stream":
+        cfg["inflight_samples"] = (groups + oversample) * draw(st.integers(1, 4)) + draw(
+            st.integers(0, groups + oversample - 1))
+    return cfg
+
+
+class Run:
+    """Drives one scheduler with random events and checks the invariants after each."""
+
+    def __init__(self, cfg: dict, data) -> None:
+        self.cfg, self.data = cfg, data
+        self.d = Driver(**cfg)
+        self.epoch = 0
+        self.d.open(0)
+        self.next_batch = 0
+        self.oldest: dict = {}  # key -> the oldest version its result reported
+        self.admitted: set = set()
+        self.failures: Counter = Counter()
+        self._seen = 0  # actions already checked
+
+    def draw(self, strategy):
+        return self.data.draw(strategy)
+
+    def step(self) -> None:
+        d, sched = self.d, self.d.sched
+        ops = ["register", "tick", "publish"]
+        if d.running():
+            ops += ["finish"] * 6
+        if [k for k, how in d.ended.items() if how.startswith("cancel")]:
+            ops.append("late")
+        if sched.pending_step is None and (
+                self.cfg["admission"] == "stream" or d.step + 1 < self.next_batch):
+            ops += ["handover"] * 2
+        ops += ["error", "reopen"]
+        op = self.draw(st.sampled_from(ops))
+        if op in ("error", "reopen") and self.draw(st.integers(0, 9)) > 0:
+            op = "tick"  # rare
+        getattr(self, "op_" + op)()
+        self.check()
+
+    # ops -----------------------------------------------------------------
+    def op_register(self):
+        self.d.register(self.next_batch, n=self.cfg["batch_size"])
+        self.next_batch += 1
+
+    def op_tick(self):
+        self.d.tick(self.draw(st.sampled_from([0.5, 1.0, 3.0])))
+
+    def op_publish(self):
+        self.d.publish(self.d.sched.served + self.draw(st.integers(0, 1)))
+
+    def op_handover(self):
+        self.d.handover(updates=self.d.updates + self.draw(st.integers(0, 2)))
+
+    def op_finish(self):
+        d = self.d
+        key = self.draw(st.sampled_from(d.running()))
+        sub = d.submitted[key]
+        status = self.draw(st.sampled_from(list(Status)))
+        reward = self.draw(st.sampled_from([None, 0.0, 1.0]))
+        oldest = self.draw(st.integers(sub.submitted_version, max(d.sched.served, sub.submitted_version)))
+        acts = d.finish(key, status=status, reward=reward, oldest=oldest, dt=0.1)
+        discards = [a.reason for a in of(Discard, acts) if a.key == key]
+        if discards and discards[0] in FAILURES:
+            self.failures[(key.epoch, key.group, key.sample)] += 1
+        if not discards:
+            self.oldest[key] = oldest
+
+    def op_late(self):
+        d = self.d
+        key = self.draw(st.sampled_from(sorted(k for k, how in d.ended.items()
+                                               if how.startswith("cancel"))))
+        acts = d.sched.handle(Finish(key, Status.COMPLETED, 1.0, 0), d.now)
+        assert acts == [Discard(key, "superseded")]
+
+    def op_error(self):
+        if self.d.running():
+            self.d.finish(self.d.running()[0], error="Traceback: boom")
+
+    def op_reopen(self):
+        self.epoch += 1
+        self.d.open(self.epoch)
+        self.d.step, self.next_batch = -1, 0
+
+    # invariants ----------------------------------------------------------
+    def check(self) -> None:
+        d, cfg = self.d, self.cfg
+        for emit in of(Emit, d.actions[self._seen:]):
+            rec = emit.record
+            assert rec.lag <= cfg["max_lag"]
+            for g in emit.groups:
+                assert len(g.samples) == cfg["groups"]
+                assert len({k.sample for k in g.samples}) == cfg["groups"]
+                assert all(k.group == g.group for k in g.samples)
+                if cfg["admission"] == "batch":
+                    assert g.batch == emit.step
+                for k in g.samples:
+                    ident = (k.epoch, k.group, k.sample)
+                    assert ident not in self.admitted, "sample admitted twice"
+                    self.admitted.add(ident)
+                    assert d.ended.get(k) == "finish"
+                    assert rec.updates - self.oldest[k] <= cfg["max_lag"]
+        self._seen = len(d.actions)
+        timeouts = Counter((a.key.epoch, a.key.group, a.key.sample)
+                           for a in of(Cancel, d.actions) if a.reason == "timeout")
+        for ident in set(self.failures) | set(timeouts):
+            assert self.failures[ident] + timeouts[ident] <= cfg["max_attempts"]
+        sched = d.sched
+        assert sched.in_flight == len(d.running())
+        if cfg["admission"] == "stream" and sched.target:
+            assert sched.in_flight + sched.credits == sched.target, "credits drifted"
+            if sched._tasks and not sched._broken:
+                assert sched.credits < cfg["groups"] + cfg["oversample"]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), data=st.data())
+def test_invariants_hold_over_random_event_sequences(cfg, data):
+    run = Run(cfg, data)
+    for _ in range(data.draw(st.integers(10, 80))):
+        run.step()
+    acts = run.d.close()
+    # every submitted sample ends exactly once (the driver refuses a second end)
+    assert set(run.d.submitted) == set(run.d.ended)
+    assert run.d.sched.in_flight == 0 and all(isinstance(a, Cancel) for a in acts)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(cfg=configs(admission="stream"), outcomes=st.lists(st.sampled_from(list(Status)), max_size=120),
+       seed=st.integers(0, 2**16))
+def test_backfill_conserves_in_flight_samples_exactly(cfg, outcomes, seed):
+    """One credit per finished sample whatever its outcome: with tasks always available the
+    number of samples in flight never drifts from the target."""
+    import random
+
+    rng = random.Random(seed)
+    d = Driver(**cfg)
+    d.open()
+    batch = 0
+    size = cfg["groups"] + cfg["oversample"]
+    while d.sched.target == 0 or d.sched.credits >= size:
+        d.register(batch, n=cfg["batch_size"])
+        batch += 1
+    target = d.sched.target
+    for status in outcomes:
+        if len(d.sched._tasks) < 4 * target:
+            d.register(batch, n=cfg["batch_size"])
+            batch += 1
+        d.finish(rng.choice(d.running()), status=status, reward=rng.choice([None, 1.0]))
+        assert d.sched.in_flight + d.sched.credits == target, "in-flight samples drifted"
+        assert d.sched.credits < size, "credits left idle"
+        assert len(d.running()) == d.sched.in_flight

@@ -47,6 +47,12 @@ def _bench_pack(args: argparse.Namespace) -> int:
     return bench_pack.main(["--json"] if args.json else [])
 
 
+def _bench_scale(args: argparse.Namespace) -> int:
+    from pipeline import bench_scale
+
+    return bench_scale.main((["--json"] if args.json else []) + ["--events", str(args.events)])
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollstream", description=__doc__)
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -70,6 +76,10 @@ def parser() -> argparse.ArgumentParser:
     pack = bench_sub.add_parser("pack", help="non-pad share and packing time per length mix")
     pack.add_argument("--json", action="store_true")
     pack.set_defaults(run=_bench_pack)
+    scale = bench_sub.add_parser("scale", help="scheduler cost per event, 1k to 100k in flight")
+    scale.add_argument("--json", action="store_true")
+    scale.add_argument("--events", type=int, default=20_000)
+    scale.set_defaults(run=_bench_scale)
     return p
 
 

@@ -640,3 +640,129 @@ class Scheduler:
         self._resubmitted.clear()
         self._pending = None
         return Emit(step, tuple(groups), record)
+
+    # -------------------------------------------------------------- persistence
+    # Additive: the admission consumer persists the machine as a snapshot plus a journal of
+    # the events since (see `consumers.journal`). A snapshot is msgpack-native (ints, floats,
+    # strs, lists, str-keyed maps; never pickle) and restores a machine that answers every
+    # later event exactly as the original would.
+
+    SNAPSHOT_VERSION = 1
+
+    def live_groups(self) -> frozenset[int]:
+        """Ids of the groups the machine still tracks (running, admitting or awaiting their
+        step); a held result of any other group will never be emitted."""
+        return frozenset(self._groups)
+
+    def snapshot(self) -> dict:
+        """The whole state as msgpack-native data (the config is the caller's to keep)."""
+        table: dict[int, int] = {}  # id(group object) -> index into `groups`
+        groups: list[list] = []
+
+        def ref(group: _Group) -> int:
+            if id(group) not in table:
+                table[id(group)] = len(groups)
+                groups.append(_dump_group(group, self._groups.get(group.id) is group))
+            return table[id(group)]
+
+        for group in self._groups.values():
+            ref(group)
+        running = [[list(_key_tuple(k)), ref(g), s.index] for k, (g, s) in self._running.items()]
+        resubmit = [[ref(g), s.index, cause] for g, s, cause in self._resubmit]
+        return {
+            "v": self.SNAPSHOT_VERSION,
+            "shard": self.shard, "epoch": self.epoch, "served": self.served,
+            "updates": self.updates, "credits": self.credits, "target": self.target,
+            "gids": _peek(self, "_gids"), "seq": _peek(self, "_seq"),
+            "groups": groups,
+            "batches": [[b, _dump_batch(batch)] for b, batch in self._batches.items()],
+            "running": running,
+            "deadlines": [[d, q, list(_key_tuple(k))] for d, q, k in self._deadlines],
+            "by_version": [[v, q, list(_key_tuple(k))] for v, q, k in self._by_version],
+            "tasks": [[b, _dump_task(t)] for b, t in self._tasks],
+            "resubmit": resubmit,
+            "complete": list(self._complete),
+            "pending": self._pending, "handover_at": self._handover_at,
+            "last_step": self._last_step, "last_batch": self._last_batch,
+            "broken": self._broken,
+            "counts": dict(self._counts), "resubmitted": dict(self._resubmitted),
+            "admit_default": self._admit_default,
+        }
+
+    @classmethod
+    def restore(cls, config: SchedulerConfig, snapshot: Mapping) -> "Scheduler":
+        """A machine in the state `snapshot` describes, under `config`."""
+        if snapshot.get("v") != cls.SNAPSHOT_VERSION:
+            raise ValueError(f"scheduler snapshot version {snapshot.get('v')!r} is not "
+                             f"{cls.SNAPSHOT_VERSION}")
+        s = snapshot
+        sched = cls(config, shard=s["shard"])
+        sched.epoch, sched.served, sched.updates = s["epoch"], s["served"], s["updates"]
+        sched.credits, sched.target = s["credits"], s["target"]
+        sched._gids, sched._seq = itertools.count(s["gids"]), itertools.count(s["seq"])
+        groups = [_load_group(g) for g in s["groups"]]
+        sched._groups = {g.id: g for g, live in groups if live}
+        objs = [g for g, _ in groups]
+        sched._batches = {b: _load_batch(d) for b, d in s["batches"]}
+        sched._running = {SampleKey(*k): (objs[g], objs[g].samples[i]) for k, g, i in s["running"]}
+        sched._deadlines = [(d, q, SampleKey(*k)) for d, q, k in s["deadlines"]]
+        sched._by_version = [(v, q, SampleKey(*k)) for v, q, k in s["by_version"]]
+        sched._tasks = deque((b, _load_task(t)) for b, t in s["tasks"])
+        sched._resubmit = deque((objs[g], objs[g].samples[i], c) for g, i, c in s["resubmit"])
+        sched._complete = deque(s["complete"])
+        sched._pending, sched._handover_at = s["pending"], s["handover_at"]
+        sched._last_step, sched._last_batch = s["last_step"], s["last_batch"]
+        sched._broken = s["broken"]
+        sched._counts = Counter(s["counts"])
+        sched._resubmitted = Counter(s["resubmitted"])
+        sched._admit_default = s["admit_default"]
+        return sched
+
+
+def _key_tuple(key: SampleKey) -> tuple[int, int, int, int]:
+    return key.epoch, key.group, key.sample, key.attempt
+
+
+def _peek(sched: Scheduler, name: str) -> int:
+    """The next value of an `itertools.count` attribute, leaving the counter where it was."""
+    value = next(getattr(sched, name))
+    setattr(sched, name, itertools.count(value))
+    return value
+
+
+def _dump_task(task: Task) -> list:
+    return [task.id, dict(task.payload)]
+
+
+def _load_task(data: list) -> Task:
+    return Task(data[0], data[1])
+
+
+def _dump_group(group: _Group, live: bool) -> list:
+    samples = [[s.index, s.attempt, s.failures, s.state, s.submitted_version, s.oldest]
+               for s in group.samples]
+    return [group.id, group.batch, _dump_task(group.task), samples, list(group.admitted),
+            group.complete, live]
+
+
+def _load_group(data: list) -> tuple[_Group, bool]:
+    gid, batch, task, samples, admitted, complete, live = data
+    group = _Group(gid, batch, _load_task(task), len(samples))
+    for sample, (index, attempt, failures, state, version, oldest) in zip(group.samples, samples):
+        sample.index, sample.attempt, sample.failures = index, attempt, failures
+        sample.state, sample.submitted_version, sample.oldest = state, version, oldest
+    group.admitted, group.complete = list(admitted), complete
+    return group, live
+
+
+def _dump_batch(batch: _Batch) -> list:
+    return [[_dump_task(t) for t in batch.tasks], list(batch.groups), batch.submitted,
+            list(batch.complete), batch.abandoned]
+
+
+def _load_batch(data: list) -> _Batch:
+    tasks, groups, submitted, complete, abandoned = data
+    batch = _Batch(tuple(_load_task(t) for t in tasks))
+    batch.groups, batch.submitted = list(groups), submitted
+    batch.complete, batch.abandoned = list(complete), abandoned
+    return batch

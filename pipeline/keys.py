@@ -17,6 +17,13 @@ ADMISSION_GROUP = "admission"
 TRAINER_GROUP = "trainer"
 """Consumer group of the trainer ranks on `ready:{shard}`."""
 
+
+def admission_group(shard: int) -> str:
+    """The group shard `shard`'s admission consumer reads its inputs through: the same name on
+    `tasks:{shard}`, `results:{shard}` and the shared `weights` stream (one group per shard
+    there, so every shard sees every published version), so one XREADGROUP reads all three."""
+    return f"{ADMISSION_GROUP}:{_index('shard', shard)}"
+
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -68,8 +75,22 @@ class Keys:
         return self._sharded("records", shard)
 
     def state(self, shard: int) -> str:
-        """Hash: the admission consumer's persisted scheduler state."""
+        """Hash: the admission consumer's persisted scheduler state (`snapshot`: the msgpack
+        scheduler snapshot; `config`: the scheduler config it was built under)."""
         return self._sharded("state", shard)
+
+    def journal(self, shard: int) -> str:
+        """Stream: the events the admission consumer applied since its last snapshot."""
+        return self._sharded("journal", shard)
+
+    def held(self, shard: int) -> str:
+        """Hash: admitted result payloads awaiting their step, by `epoch:group:sample:attempt`."""
+        return self._sharded("held", shard)
+
+    def cancelled(self, shard: int) -> str:
+        """Sorted set: attempts cancelled (`epoch:group:sample:attempt`, scored by the time of
+        the cancel), checked by rollout consumers before they start work."""
+        return self._sharded("cancelled", shard)
 
     # streams shared by the run
     @property

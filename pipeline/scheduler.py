@@ -690,7 +690,7 @@ class Scheduler:
         }
 
     @classmethod
-    def restore(cls, config: SchedulerConfig, snapshot: Mapping) -> "Scheduler":
+    def restore(cls, config: SchedulerConfig, snapshot: Mapping) -> Scheduler:
         """A machine in the state `snapshot` describes, under `config`."""
         if snapshot.get("v") != cls.SNAPSHOT_VERSION:
             raise ValueError(f"scheduler snapshot version {snapshot.get('v')!r} is not "

@@ -1,0 +1,681 @@
+"""The admission consumer: the imperative shell around the scheduling state machine.
+
+One admission consumer runs per trainer rank (shard). It reads, through its consumer group
+`admission_group(shard)`, the trainer's `tasks:{shard}` (Open, Registration, Handover), the
+rollout consumers' `results:{shard}` and the shared `weights` stream; turns each entry into
+a scheduler event; and carries out the actions:
+
+| action      | effect |
+|-------------|--------|
+| Submit      | XADD `work` a `wire.Work` (deadline on the wall clock: `now` is `time.time()`) |
+| Cancel      | XADD `control` a `wire.Cancel`, and ZADD the attempt to `cancelled:{shard}` |
+| Discard     | HDEL the attempt's held payload (a superseded result was never held) |
+| Emit        | pack the held payloads, XADD `ready:{shard}` a `wire.Ready`, `records:{shard}` a `wire.Record` |
+| Fail        | XADD `ready:{shard}` a `wire.Ready` whose record is `{"error": traceback}` |
+| Abandon     | counted and logged |
+| PushWeights | logged: the distributed trainer publishes itself and reports `published` |
+
+Delivery: every read batch is one `MULTI/EXEC` holding, for each transition in order, its
+appended entries, its journal entry (the event and its `now`, see `consumers.journal`), its
+held-payload writes and the `XACK` of its input. A kill -9 anywhere leaves either all of it
+or none of it; what was not committed is still pending in the group and is processed again
+on restart, after the machine is rebuilt from the snapshot and the journal. An admitted
+result's payload is held in `held:{shard}` until its step is emitted.
+
+Leases: rollout consumers hold their work as pending entries of the `work` stream's
+`WORK_GROUP` and renew them by re-claiming. Every `lease_s / 2` this consumer lists entries
+idle longer than `lease_s`, claims those of its own shard (XCLAIM with that min-idle, so a
+renewal that raced it wins) and, in one transaction per batch, feeds the scheduler an
+`INFRA_ERROR` finish for each, then XACKs and XDELs the entry. Other shards' entries are
+left for their own admission consumer. If this process dies between claim and commit, the
+claimed entries are pending under its own name and are finished on restart.
+
+Refusals: an entry that does not decode, or violates the schema, or belongs to another
+shard, goes to the `dead` stream with the reason, acknowledged in the same transaction.
+A result that fails validation but still names its attempt is also finished as an
+`INFRA_ERROR` attempt, so its sample is resubmitted instead of waiting forever. An event the
+protocol refuses (`ProtocolError`: a handover before its batch, an epoch going backwards)
+is dead-lettered the same way (a refused handover also gets an error `Ready`, so the trainer
+raises instead of waiting), and the machine is rebuilt from Redis.
+
+Exactly one admission consumer may run per shard (a Deployment of one replica with the
+Recreate strategy): two would both apply the shard's events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+import traceback
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import redis
+
+from consumers import journal, trimming
+from pipeline import wire
+from pipeline.config import AdmissionConfig, load
+from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
+from pipeline.packing import Group, PackedBatch, pack
+from pipeline.redis_io import (
+    RETRYABLE,
+    backoff_s,
+    connect,
+    ensure_group,
+    parse_id,
+    text,
+)
+from pipeline.scheduler import (
+    Abandon,
+    Action,
+    Cancel,
+    Close,
+    Discard,
+    Emit,
+    Event,
+    Fail,
+    Finish,
+    Handover,
+    Open,
+    ProtocolError,
+    Publish,
+    PushWeights,
+    Register,
+    SampleKey,
+    Submit,
+    Tick,
+)
+from pipeline.session_metrics import session_metrics
+from pipeline.sessions import Status
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 256
+"""Entries read per input stream per iteration (one transaction)."""
+RECLAIM_PAGE = 256
+RECLAIM_PAGES = 20
+COMMIT_BYTES = 8 * 1024 * 1024
+"""A read batch is committed in several transactions once this many payload bytes are staged."""
+COMMIT_TRANSITIONS = 256
+SNAPSHOT_EVERY = 1000
+"""Transitions between snapshots (each snapshot replaces the journal)."""
+CONTROL_RETENTION_S = 600.0
+"""Age past which cancels leave the control stream and the cancelled set."""
+RECORDS_MAXLEN = 10_000
+DEAD_MAXLEN = 10_000
+MAX_RECONNECTS = 10
+
+
+def member(key: SampleKey) -> str:
+    """The name of one attempt in `held:{shard}` and `cancelled:{shard}`."""
+    return f"{key.epoch}:{key.group}:{key.sample}:{key.attempt}"
+
+
+def parse_member(name: bytes | str) -> SampleKey:
+    return SampleKey(*(int(x) for x in text(name).split(":")))
+
+
+class _Txn:
+    """One MULTI/EXEC being assembled: effects and journal entries in order, acks, and the
+    held payloads it writes (so a step emitted in the same transaction can read them)."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.pipe = r.pipeline(transaction=True)
+        self.held: dict[str, bytes | None] = {}
+        self.acks: dict[tuple[str, str], list[bytes]] = defaultdict(list)
+        self.transitions = 0
+        self.bytes = 0  # payload bytes staged
+
+    def xadd(self, stream: str, fields: dict[bytes, bytes]) -> None:
+        self.bytes += sum(len(v) for v in fields.values())
+        self.pipe.xadd(stream, fields)
+
+    @property
+    def full(self) -> bool:
+        return self.bytes >= COMMIT_BYTES or self.transitions >= COMMIT_TRANSITIONS
+
+    def ack(self, stream: str, group: str, entry_id: bytes) -> None:
+        self.acks[(stream, group)].append(entry_id)
+
+    def __len__(self) -> int:
+        return len(self.pipe) + sum(map(len, self.acks.values()))
+
+
+class Admission:
+    """The admission consumer of one shard; see the module docstring.
+
+    `poll_once(block_ms)` runs one iteration (read a batch, its transitions, a tick, and
+    lease reclaim and trimming when due) and returns the number of transitions; `run(stop)`
+    loops until `stop` is set, recovering from Redis after connection errors.
+    """
+
+    def __init__(self, config: AdmissionConfig, redis: redis.Redis, *,
+                 clock: Callable[[], float] = time.time, snapshot_every: int = SNAPSHOT_EVERY,
+                 control_retention_s: float = CONTROL_RETENTION_S,
+                 read_count: int = READ_COUNT) -> None:
+        self.config = config
+        self.r = redis
+        self.keys = Keys(config.redis.namespace)
+        self.shard = config.shard
+        self.group = admission_group(config.shard)
+        self.name = f"admission-{config.shard}"
+        self.clock = clock
+        self.snapshot_every = snapshot_every
+        self.control_retention_s = control_retention_s
+        self.read_count = read_count
+        self.stats: Counter[str] = Counter()
+        k = self.keys
+        self._expect: dict[str, Any] = {
+            k.tasks(self.shard): (wire.Open, wire.Registration, wire.Handover),
+            k.results(self.shard): wire.Result,
+            k.weights: wire.Weights,
+        }
+        self._next_reclaim = 0.0
+        self._next_trim = time.monotonic() + config.trim_every_s
+        self._recover()
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Poll until `stop` is set. Connection errors are retried with backoff (bounded),
+        after which the machine is rebuilt from Redis: a transaction whose reply was lost
+        may or may not have committed."""
+        failures = 0
+        stale = False
+        log.info("admission shard %d running (epoch %d)", self.shard, self.sched.epoch)
+        while not stop.is_set():
+            try:
+                if stale:
+                    self._recover()
+                    stale = False
+                self.poll_once(self.config.block_ms)
+                failures = 0
+            except RETRYABLE as exc:
+                failures += 1
+                if failures > MAX_RECONNECTS:
+                    raise
+                delay = backoff_s(failures)
+                log.warning("shard %d: Redis unavailable (%s); recovering in %.2fs",
+                            self.shard, exc, delay)
+                stale = True
+                stop.wait(delay)
+        log.info("admission shard %d stopped: %s", self.shard, dict(self.stats))
+
+    def poll_once(self, block_ms: int | None = None) -> int:
+        """One iteration: read, transitions, tick, reclaim and trim when due."""
+        entries = self._read(block_ms)
+        done = self._transitions(entries)
+        done += self._tick()
+        now = time.monotonic()
+        if now >= self._next_reclaim:
+            self._next_reclaim = now + self.config.lease_s / 2
+            done += self._reclaim()
+        if now >= self._next_trim:
+            self._next_trim = now + self.config.trim_every_s
+            self.trim()
+        return done
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self) -> None:
+        """Create the groups, rebuild the machine, index the held payloads, and finish the
+        work this consumer claimed but did not commit."""
+        k = self.keys
+        for stream in self._expect:
+            ensure_group(self.r, stream, self.group)
+        ensure_group(self.r, k.work, WORK_GROUP)
+        ensure_group(self.r, k.ready(self.shard), TRAINER_GROUP)
+        journal.check_config(self.r, k, self.shard, self.config.scheduler)
+        self._rebuild()
+        self._backlog = True  # read this consumer's own pending inputs first
+        self._finish_reclaimed(self._own_work())
+
+    def _rebuild(self) -> None:
+        self.sched, self._since_snapshot = journal.load(
+            self.r, self.keys, self.shard, self.config.scheduler)
+        self._held: dict[tuple[int, int], set[str]] = defaultdict(set)
+        for name in self.r.hkeys(self.keys.held(self.shard)):
+            key = parse_member(name)
+            self._held[(key.epoch, key.group)].add(text(name))
+
+    # ------------------------------------------------------------------ reading
+
+    def _read(self, block_ms: int | None) -> list[tuple[str, bytes, dict | None]]:
+        """The next entries of the three input streams, oldest first."""
+        if self._backlog:
+            entries = self._xread({s: "0" for s in self._expect}, None)
+            if entries:
+                return entries
+            self._backlog = False
+        return self._xread({s: ">" for s in self._expect}, block_ms or None)
+
+    def _xread(self, streams: dict[str, str], block_ms: int | None) -> list:
+        reply = self.r.xreadgroup(self.group, self.name, streams, count=self.read_count,
+                                  block=block_ms)
+        entries = [(text(stream), entry_id, fields)
+                   for stream, items in reply or [] for entry_id, fields in items]
+        entries.sort(key=lambda e: parse_id(e[1]))
+        return entries
+
+    # ------------------------------------------------------------------ transitions
+
+    def _transitions(self, entries: Sequence[tuple[str, bytes, dict | None]]) -> int:
+        txn = _Txn(self.r)
+        done = 0
+        for stream, entry_id, fields in entries:
+            try:
+                self._input(txn, stream, entry_id, fields)
+            except ProtocolError as exc:
+                done += self._commit(txn)
+                self._refuse(stream, entry_id, fields, exc)
+                self._rebuild()  # the refused event may have touched the machine
+                txn = _Txn(self.r)
+            if txn.full:  # whole transitions only: a batch may span several transactions
+                done += self._commit(txn)
+                txn = _Txn(self.r)
+        return done + self._commit(txn)
+
+    def _input(self, txn: _Txn, stream: str, entry_id: bytes, fields: dict | None) -> None:
+        """One input entry: decode, apply, acknowledge (all staged in `txn`). A
+        ProtocolError leaves nothing of this entry staged."""
+        if not fields:  # deleted while pending: nothing left to apply
+            txn.ack(stream, self.group, entry_id)
+            return
+        try:
+            msg = wire.from_fields(fields, self._expect[stream])
+            event = self._event(msg)
+        except wire.SchemaError as exc:
+            self._dead_letter(txn, stream, entry_id, fields, str(exc))
+            if stream == self.keys.results(self.shard):
+                self._salvage(txn, fields)
+            txn.ack(stream, self.group, entry_id)
+            return
+        if isinstance(event, str):
+            self.stats["dropped"] += 1
+            log.info("shard %d: dropped %s %s: %s", self.shard, msg.KIND, text(entry_id), event)
+        else:
+            self._apply(txn, event, fields[wire.FIELD] if isinstance(msg, wire.Result) else None)
+        txn.ack(stream, self.group, entry_id)
+
+    def _event(self, msg: wire.Message) -> Event | str:
+        """The scheduler event of a decoded message, or why it is dropped (an earlier
+        epoch's, or a repeated handover of the step already pending)."""
+        if isinstance(msg, wire.Weights):
+            return Publish(msg.version)
+        if msg.shard != self.shard:
+            raise wire.SchemaError("shard", f"shard {msg.shard} on shard {self.shard}'s stream")
+        if isinstance(msg, wire.Result):
+            oldest = min((c.version for c in msg.calls), default=None)
+            key = SampleKey(msg.epoch, msg.group, msg.sample, msg.attempt)
+            return Finish(key, msg.status, msg.reward, oldest, msg.error)
+        if isinstance(msg, wire.Open):
+            return Open(msg.epoch)
+        if msg.epoch < self.sched.epoch:
+            return f"epoch {msg.epoch} ended"
+        if msg.epoch > self.sched.epoch:
+            raise ProtocolError(f"{msg.KIND} of epoch {msg.epoch} while epoch {self.sched.epoch} is open")
+        if isinstance(msg, wire.Registration):
+            return Register(msg.batch, msg.tasks)
+        if msg.step == self.sched.pending_step:
+            return f"step {msg.step} is already pending"
+        return Handover(msg.step, msg.updates, msg.published)
+
+    def _apply(self, txn: _Txn, event: Event, payload: bytes | None = None) -> list[Action]:
+        """Apply `event` now, journal it and stage its effects. `payload` is the encoded
+        result of a Finish, held if the scheduler admits it."""
+        now = self.clock()
+        actions = self.sched.handle(event, now)
+        txn.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_event(event, now)})
+        txn.transitions += 1
+        self.stats["transitions"] += 1
+        if isinstance(event, (Open, Close)):
+            self._drop_epochs(txn, keep=self.sched.epoch if isinstance(event, Open) else None)
+        if isinstance(event, Finish) and payload is not None and not any(
+                isinstance(a, Discard) and a.key == event.key for a in actions):
+            self._hold(txn, event.key, payload)
+        for action in actions:
+            self._carry_out(txn, action, now)
+        return actions
+
+    def _tick(self) -> int:
+        """Advance time; journaled only when it did something (a tick without actions
+        changes nothing a later event could observe)."""
+        txn = _Txn(self.r)
+        now = self.clock()
+        actions = self.sched.handle(Tick(), now)
+        if not actions:
+            return 0
+        txn.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_event(Tick(), now)})
+        txn.transitions += 1
+        for action in actions:
+            self._carry_out(txn, action, now)
+        return self._commit(txn)
+
+    def _commit(self, txn: _Txn) -> int:
+        """EXEC the transaction, with a snapshot replacing the journal when one is due."""
+        if not len(txn):
+            return 0
+        for (stream, group), ids in txn.acks.items():
+            txn.pipe.xack(stream, group, *ids)
+        snapshot = self._since_snapshot + txn.transitions >= self.snapshot_every
+        if snapshot:
+            txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
+            txn.pipe.delete(self.keys.journal(self.shard))
+        txn.pipe.execute()
+        self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions
+        return txn.transitions
+
+    # ------------------------------------------------------------------ actions
+
+    def _carry_out(self, txn: _Txn, action: Action, now: float) -> None:
+        k, shard = self.keys, self.shard
+        if isinstance(action, Submit):
+            key = action.key
+            work = wire.Work(shard, key.epoch, key.group, key.sample, key.attempt, action.task,
+                             action.submitted_version, action.deadline, action.cause)
+            txn.xadd(k.work, wire.to_fields(work))
+        elif isinstance(action, Cancel):
+            key = action.key
+            cancel = wire.Cancel(shard, key.epoch, key.group, key.sample, key.attempt, action.reason)
+            txn.xadd(k.control, wire.to_fields(cancel))
+            txn.pipe.zadd(k.cancelled(shard), {member(key): now})
+        elif isinstance(action, Discard):
+            if action.reason != "superseded":  # a superseded result was never held
+                self._unhold(txn, [action.key])
+        elif isinstance(action, Emit):
+            self._emit(txn, action)
+        elif isinstance(action, Fail):
+            self.stats["failed"] += 1
+            log.error("shard %d: step %s fails: %s", shard, action.step, action.error)
+            if action.step is not None:
+                self._ready_error(txn, action.step, action.error)
+        elif isinstance(action, Abandon):
+            self.stats["abandoned"] += 1
+            log.warning("shard %d: abandoned group %d (task %s of batch %d) after %s",
+                        shard, action.group, action.task.id, action.batch, action.cause)
+            self._unhold_group(txn, self.sched.epoch, action.group)
+        elif isinstance(action, PushWeights):
+            log.info("shard %d: weights %d are due; the trainer publishes them and reports "
+                     "`published` in its handover", shard, action.version)
+        else:
+            raise TypeError(f"unknown action {action!r}")
+
+    def _emit(self, txn: _Txn, emit: Emit) -> None:
+        """Pack the step's admitted groups and append its Ready and Record."""
+        cfg = self.config.scheduler
+        keys = [key for g in emit.groups for key in g.samples]
+        payloads = self._payloads(txn, keys)
+        groups = [Group.from_sessions(g.group, [(key.sample, _session(payloads[key])) for key in g.samples])
+                  for g in emit.groups]
+        rec = emit.record
+        try:
+            packed = pack(groups, rows=cfg.rows, width=cfg.width, estimator=cfg.estimator,
+                          truncation=cfg.truncation, support_capacity=cfg.support_capacity)
+            metrics = _finite(session_metrics(groups, packed, updates=rec.updates))
+            ready = wire.to_fields(wire.Ready(self.shard, self.sched.epoch, emit.step, rec.updates,
+                                              _arrays(packed), _record_dict(emit, packed, metrics)))
+            record = wire.to_fields(wire.Record(
+                self.shard, self.sched.epoch, emit.step, rec.updates, rec.version, rec.lag,
+                rec.groups, dict(rec.resubmitted), rec.cancelled, rec.abandoned, packed.cut,
+                rec.waited, metrics))
+        except ValueError as exc:  # a rollout that cannot train as given; SchemaError included
+            self._ready_error(txn, emit.step, f"step {emit.step} cannot be emitted: {exc}\n"
+                              + traceback.format_exc())
+        else:
+            txn.xadd(self.keys.ready(self.shard), ready)
+            txn.xadd(self.keys.records(self.shard), record)
+            self.stats["emitted"] += 1
+        self._unhold(txn, keys)
+        live = self.sched.live_groups()
+        for epoch, gid in list(self._held):
+            if epoch != self.sched.epoch or gid not in live:
+                self._unhold_group(txn, epoch, gid)
+
+    def _ready_error(self, txn: _Txn, step: int, error: str) -> None:
+        ready = wire.Ready(self.shard, self.sched.epoch, step, self.sched.updates, {}, {"error": error})
+        txn.xadd(self.keys.ready(self.shard), wire.to_fields(ready))
+
+    # ------------------------------------------------------------------ held payloads
+
+    def _hold(self, txn: _Txn, key: SampleKey, payload: bytes) -> None:
+        name = member(key)
+        txn.pipe.hset(self.keys.held(self.shard), name, payload)
+        txn.bytes += len(payload)
+        txn.held[name] = payload
+        self._held[(key.epoch, key.group)].add(name)
+
+    def _unhold(self, txn: _Txn, keys: Sequence[SampleKey]) -> None:
+        names = []
+        for key in keys:
+            held = self._held.get((key.epoch, key.group))
+            name = member(key)
+            if held is not None and name in held:
+                held.discard(name)
+                if not held:
+                    del self._held[(key.epoch, key.group)]
+                names.append(name)
+                txn.held[name] = None
+        if names:
+            txn.pipe.hdel(self.keys.held(self.shard), *names)
+
+    def _unhold_group(self, txn: _Txn, epoch: int, group: int) -> None:
+        self._unhold(txn, [parse_member(n) for n in self._held.get((epoch, group), ())])
+
+    def _drop_epochs(self, txn: _Txn, keep: int | None) -> None:
+        for epoch, gid in list(self._held):
+            if epoch != keep:
+                self._unhold_group(txn, epoch, gid)
+
+    def _payloads(self, txn: _Txn, keys: Sequence[SampleKey]) -> dict[SampleKey, bytes]:
+        """The held payloads of `keys`: those this transaction wrote, then Redis."""
+        out = {k: txn.held[member(k)] for k in keys if txn.held.get(member(k)) is not None}
+        rest = [k for k in keys if k not in out]
+        if rest:
+            values = self.r.hmget(self.keys.held(self.shard), [member(k) for k in rest])
+            for key, value in zip(rest, values):
+                if value is None:
+                    raise RuntimeError(f"shard {self.shard}: the held payload of admitted {key} is missing")
+                out[key] = value
+        return out
+
+    # ------------------------------------------------------------------ refusals
+
+    def _dead_letter(self, txn: _Txn, stream: str, entry_id: bytes, fields: Mapping, reason: str) -> None:
+        self.stats["dead_letters"] += 1
+        log.warning("shard %d: dead-lettered %s %s: %s", self.shard, stream, text(entry_id), reason)
+        txn.xadd(self.keys.dead, wire.dead_letter_fields(stream, entry_id, reason, fields))
+
+    def _salvage(self, txn: _Txn, fields: Mapping) -> None:
+        """Finish, as an INFRA_ERROR attempt, an invalid result that still names its attempt."""
+        key = _named_attempt(fields, self.shard)
+        if key is not None:
+            self.stats["salvaged"] += 1
+            self._apply(txn, Finish(key, Status.INFRA_ERROR))
+
+    def _refuse(self, stream: str, entry_id: bytes, fields: Mapping, exc: ProtocolError) -> None:
+        """Dead-letter an event the protocol refuses; a refused handover fails its step."""
+        txn = _Txn(self.r)
+        txn.ack(stream, self.group, entry_id)
+        self._dead_letter(txn, stream, entry_id, fields, f"protocol: {exc}")
+        msg = wire.from_fields(fields)
+        if isinstance(msg, wire.Handover):
+            self._ready_error(txn, msg.step, f"handover of step {msg.step} refused: {exc}")
+        self._commit(txn)
+
+    # ------------------------------------------------------------------ leases
+
+    def _reclaim(self) -> int:
+        """Finish, as INFRA_ERROR attempts, this shard's work whose lease lapsed."""
+        lease_ms = int(self.config.lease_s * 1000)
+        ids = self._idle_work(lease_ms)
+        if not ids:
+            return 0
+        entries = self._work_entries(ids)
+        gone = [i for i in ids if i not in entries]
+        if gone:  # deleted while pending: only the pending record is left
+            self.r.xack(self.keys.work, WORK_GROUP, *gone)
+        ours = [i for i, (msg, _) in entries.items() if msg is None or msg.shard == self.shard]
+        if not ours:
+            return 0
+        claimed = self.r.xclaim(self.keys.work, WORK_GROUP, self.name, lease_ms, ours, justid=True)
+        return self._finish_reclaimed({i: entries[i] for i in claimed if i in entries})
+
+    def _idle_work(self, lease_ms: int) -> list[bytes]:
+        ids: list[bytes] = []
+        start = "-"
+        for _ in range(RECLAIM_PAGES):
+            page = self.r.xpending_range(self.keys.work, WORK_GROUP, min=start, max="+",
+                                         count=RECLAIM_PAGE, idle=lease_ms)
+            ids += [p["message_id"] for p in page]
+            if len(page) < RECLAIM_PAGE:
+                break
+            start = "(" + text(page[-1]["message_id"])
+        return ids
+
+    def _own_work(self) -> dict[bytes, tuple[wire.Work | None, dict]]:
+        """Work entries this consumer claimed and had not finished when it stopped."""
+        page = self.r.xpending_range(self.keys.work, WORK_GROUP, min="-", max="+",
+                                     count=RECLAIM_PAGE * RECLAIM_PAGES, consumername=self.name)
+        ids = [p["message_id"] for p in page]
+        entries = self._work_entries(ids)
+        gone = [i for i in ids if i not in entries]
+        if gone:
+            self.r.xack(self.keys.work, WORK_GROUP, *gone)
+        return entries
+
+    def _work_entries(self, ids: Sequence[bytes]) -> dict[bytes, tuple[wire.Work | None, dict]]:
+        """The work entries still in the stream, decoded (None where they do not decode)."""
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.keys.work, min=entry_id, max=entry_id)
+        out = {}
+        for found in pipe.execute():
+            for entry_id, fields in found:
+                try:
+                    out[entry_id] = (wire.from_fields(fields, wire.Work), fields)
+                except wire.SchemaError:
+                    out[entry_id] = (None, fields)
+        return out
+
+    def _finish_reclaimed(self, entries: Mapping[bytes, tuple[wire.Work | None, dict]]) -> int:
+        if not entries:
+            return 0
+        txn = _Txn(self.r)
+        for entry_id, (work, fields) in entries.items():
+            txn.ack(self.keys.work, WORK_GROUP, entry_id)
+            txn.pipe.xdel(self.keys.work, entry_id)
+            if work is None:
+                reason = _reason(fields, wire.Work)
+                self._dead_letter(txn, self.keys.work, entry_id, fields, reason)
+                continue
+            key = SampleKey(work.epoch, work.group, work.sample, work.attempt)
+            log.info("shard %d: lease of %s lapsed; finishing it as infra_error", self.shard, key)
+            self.stats["reclaimed"] += 1
+            self._apply(txn, Finish(key, Status.INFRA_ERROR))
+        return self._commit(txn)
+
+    # ------------------------------------------------------------------ trimming
+
+    def trim(self) -> None:
+        """Trim every stream this shard reads or writes (see `consumers.trimming`)."""
+        k, shard = self.keys, self.shard
+        for stream in (k.tasks(shard), k.results(shard), k.work, k.ready(shard)):
+            trimming.trim_acknowledged(self.r, stream)
+        trimming.trim_acknowledged(self.r, k.weights, keep_last=True)
+        trimming.trim_by_age(self.r, k.control, self.control_retention_s)
+        self.r.zremrangebyscore(k.cancelled(shard), "-inf", self.clock() - self.control_retention_s)
+        trimming.trim_length(self.r, k.records(shard), RECORDS_MAXLEN)
+        trimming.trim_length(self.r, k.dead, DEAD_MAXLEN)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _session(payload: bytes):
+    return wire.decode(payload, wire.Result).session()
+
+
+def _reason(fields: Mapping, expect) -> str:
+    try:
+        wire.from_fields(fields, expect)
+    except wire.SchemaError as exc:
+        return str(exc)
+    return "undecodable"
+
+
+def _named_attempt(fields: Mapping, shard: int) -> SampleKey | None:
+    """The attempt an invalid result names, if its map still names one of this shard."""
+    data = fields.get(wire.FIELD) if isinstance(fields, Mapping) else None
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (TypeError, ValueError, msgpack.UnpackException):
+        return None
+    names = ("shard", "epoch", "group", "sample", "attempt")
+    if not isinstance(d, dict) or not all(type(d.get(n)) is int and d[n] >= 0 for n in names):
+        return None
+    if d["shard"] != shard:
+        return None
+    return SampleKey(d["epoch"], d["group"], d["sample"], d["attempt"])
+
+
+def _finite(metrics: Mapping[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
+
+
+_ARRAYS = ("tokens", "positions", "segments", "loss_mask", "advantages", "logprobs", "versions",
+           "segment_group", "segment_sample", "segment_chain", "rollout_group", "rollout_sample",
+           "rollout_reward", "rollout_advantage", "rollout_trained")
+
+
+def _arrays(packed: PackedBatch) -> dict[str, np.ndarray]:
+    """The packed step's arrays for the wire (a masked rollout's NaN reward travels as 0;
+    `rollout_trained` says which rollouts train)."""
+    out = {name: getattr(packed, name) for name in _ARRAYS}
+    out["rollout_reward"] = np.nan_to_num(out["rollout_reward"], nan=0.0)
+    if packed.support is not None:
+        out["support"] = packed.support
+    return out
+
+
+def _record_dict(emit: Emit, packed: PackedBatch, metrics: dict[str, float]) -> dict:
+    rec = emit.record
+    return {
+        "updates": rec.updates, "version": rec.version, "lag": rec.lag, "groups": rec.groups,
+        "resubmitted": dict(rec.resubmitted), "cancelled": rec.cancelled,
+        "abandoned": rec.abandoned, "cut": packed.cut, "refused": len(packed.refused),
+        "waited": rec.waited, "metrics": metrics,
+        "admitted": [[g.group, g.batch, g.task.id] for g in emit.groups],
+        "packed": list(packed.groups),
+    }
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def main(config: AdmissionConfig, *, snapshot_every: int = SNAPSHOT_EVERY) -> int:
+    """`rollstream admission --config FILE`: run until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    Admission(config, connect(config.redis), snapshot_every=snapshot_every).run(stop)
+    return 0
+
+
+def _cli(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m consumers.admission")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY,
+                        help="transitions between scheduler snapshots")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    return main(load(AdmissionConfig, args.config), snapshot_every=args.snapshot_every)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())

@@ -1,0 +1,156 @@
+"""The admission consumer's durable scheduler state: a snapshot plus a journal of events.
+
+The scheduling state machine is deterministic (`pipeline.scheduler`): the same events with
+the same `now` give the same actions and the same state. So the admission consumer persists
+*events*, not state. Every transition appends its event and `now` to the shard's journal
+stream (`Keys.journal`) in the same `MULTI/EXEC` as its effects and the `XACK` of its input.
+On start, the machine is rebuilt by restoring the snapshot (`Keys.state`, field `snapshot`)
+and replaying the journal in order, discarding the actions (their effects are already in
+Redis). An input that was read but whose transition never committed is still pending in its
+consumer group and is processed again, as new.
+
+The journal is bounded by snapshots: every `snapshot_every` transitions the transaction also
+writes a fresh snapshot and deletes the journal (the snapshot covers it). A snapshot is
+msgpack (`Scheduler.snapshot`), never pickle.
+
+Journal entries are msgpack maps `{"t": kind, "n": now, ...}` in one field `e`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import msgpack
+import redis
+
+from pipeline.config import SchedulerConfig
+from pipeline.keys import Keys
+from pipeline.scheduler import (
+    Close,
+    Event,
+    Finish,
+    Handover,
+    Open,
+    Publish,
+    Register,
+    SampleKey,
+    Scheduler,
+    Tick,
+)
+from pipeline.sessions import Status, Task
+
+log = logging.getLogger(__name__)
+
+FIELD = b"e"
+SNAPSHOT = b"snapshot"
+CONFIG = b"config"
+_PAGE = 1000
+
+
+class JournalError(RuntimeError):
+    """The persisted state cannot be used (corrupt, or built under another config)."""
+
+
+# ---------------------------------------------------------------------------- codec
+
+
+def encode_event(event: Event, now: float) -> bytes:
+    """The journal bytes of `event` applied at `now`."""
+    return msgpack.packb({"n": float(now), **_fields(event)}, use_bin_type=True)
+
+
+def _fields(event: Event) -> dict:
+    if isinstance(event, Finish):
+        k = event.key
+        return {"t": "finish", "k": [k.epoch, k.group, k.sample, k.attempt],
+                "s": event.status.value, "r": event.reward, "o": event.oldest_version,
+                "x": event.error}
+    if isinstance(event, Register):
+        return {"t": "register", "b": event.batch,
+                "tasks": [[t.id, dict(t.payload)] for t in event.tasks]}
+    if isinstance(event, Handover):
+        return {"t": "handover", "step": event.step, "u": event.updates, "p": event.published}
+    if isinstance(event, Open):
+        return {"t": "open", "epoch": event.epoch}
+    if isinstance(event, Publish):
+        return {"t": "publish", "version": event.version}
+    if isinstance(event, Tick):
+        return {"t": "tick"}
+    if isinstance(event, Close):
+        return {"t": "close"}
+    raise TypeError(f"not a scheduler event: {event!r}")
+
+
+def decode_event(data: bytes) -> tuple[Event, float]:
+    """The event and `now` of one journal entry."""
+    d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    kind, now = d["t"], d["n"]
+    if kind == "finish":
+        return Finish(SampleKey(*d["k"]), Status(d["s"]), d["r"], d["o"], d["x"]), now
+    if kind == "register":
+        return Register(d["b"], tuple(Task(i, p) for i, p in d["tasks"])), now
+    if kind == "handover":
+        return Handover(d["step"], d["u"], d["p"]), now
+    if kind == "open":
+        return Open(d["epoch"]), now
+    if kind == "publish":
+        return Publish(d["version"]), now
+    if kind == "tick":
+        return Tick(), now
+    if kind == "close":
+        return Close(), now
+    raise JournalError(f"unknown journal entry kind {kind!r}")
+
+
+# ---------------------------------------------------------------------------- persistence
+
+
+def config_text(config: SchedulerConfig) -> bytes:
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True).encode()
+
+
+def check_config(r: redis.Redis, keys: Keys, shard: int, config: SchedulerConfig) -> None:
+    """Record the scheduler config of this shard's state on first use; refuse to resume
+    state built under another one (replaying it would not reproduce what happened)."""
+    want = config_text(config)
+    r.hsetnx(keys.state(shard), CONFIG, want)
+    have = r.hget(keys.state(shard), CONFIG)
+    if have != want:
+        raise JournalError(
+            f"shard {shard}'s scheduler state ({keys.state(shard)}) was built under another "
+            f"scheduler config: {have.decode()} != {want.decode()}; use a new namespace or "
+            f"delete {keys.state(shard)} and {keys.journal(shard)} to start over")
+
+
+def encode_snapshot(sched: Scheduler) -> bytes:
+    return msgpack.packb(sched.snapshot(), use_bin_type=True)
+
+
+def _entries(r: redis.Redis, stream: str) -> Iterator[tuple[bytes, dict]]:
+    start = "-"
+    while True:
+        page = r.xrange(stream, min=start, max="+", count=_PAGE)
+        yield from page
+        if len(page) < _PAGE:
+            return
+        start = "(" + page[-1][0].decode()
+
+
+def load(r: redis.Redis, keys: Keys, shard: int, config: SchedulerConfig) -> tuple[Scheduler, int]:
+    """The scheduler as the snapshot and journal leave it, and the journal's length."""
+    raw = r.hget(keys.state(shard), SNAPSHOT)
+    if raw is None:
+        sched = Scheduler(config, shard=shard)
+    else:
+        sched = Scheduler.restore(config, msgpack.unpackb(raw, raw=False, strict_map_key=False))
+    replayed = 0
+    for _, fields in _entries(r, keys.journal(shard)):
+        event, now = decode_event(fields[FIELD])
+        sched.handle(event, now)
+        replayed += 1
+    log.info("shard %d: restored %s and replayed %d journal entries (epoch %d, %d in flight)",
+             shard, "a snapshot" if raw is not None else "no snapshot", replayed, sched.epoch,
+             sched.in_flight)
+    return sched, replayed

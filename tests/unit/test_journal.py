@@ -1,0 +1,40 @@
+"""The admission journal's event codec round-trips every scheduler event."""
+
+import pytest
+
+from consumers.journal import JournalError, decode_event, encode_event
+from pipeline.scheduler import (
+    Close,
+    Finish,
+    Handover,
+    Open,
+    Publish,
+    Register,
+    SampleKey,
+    Tick,
+)
+from pipeline.sessions import Status, Task
+
+EVENTS = [
+    Open(3),
+    Register(2, (Task("a", {"x": [1, 2], "y": {"z": "w"}}), Task("b"))),
+    Handover(4, 7, None),
+    Handover(5, 8, 8),
+    Finish(SampleKey(3, 10, 1, 2), Status.TRUNCATED, 0.5, 6, None),
+    Finish(SampleKey(3, 10, 0, 0), Status.INFRA_ERROR, None, None, "Traceback ..."),
+    Publish(9),
+    Tick(),
+    Close(),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_every_event_round_trips_with_its_time(event):
+    assert decode_event(encode_event(event, 1234.5)) == (event, 1234.5)
+
+
+def test_an_unknown_entry_is_refused():
+    import msgpack
+
+    with pytest.raises(JournalError, match="unknown"):
+        decode_event(msgpack.packb({"t": "teleport", "n": 0.0}))

@@ -9,7 +9,9 @@ import json
 import logging
 import sys
 
-from pipeline.config import ConfigError, SchedulerConfig, build
+from pipeline.config import (
+    AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, SchedulerConfig, build, load,
+)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -53,6 +55,52 @@ def _bench_scale(args: argparse.Namespace) -> int:
     return bench_scale.main((["--json"] if args.json else []) + ["--events", str(args.events)])
 
 
+def _override(config, model, **values):
+    """`config` with the command line's values (those given) applied, validated again."""
+    given = {k: v for k, v in values.items() if v is not None}
+    return build(model, {**config.model_dump(), **given}) if given else config
+
+
+def _admission(args: argparse.Namespace) -> int:
+    from consumers import admission
+
+    config = _override(load(AdmissionConfig, args.config), AdmissionConfig, shard=args.shard)
+    return admission.main(config)
+
+
+def _consumer(args: argparse.Namespace) -> int:
+    from consumers import rollout
+
+    config = _override(load(ConsumerConfig, args.config), ConsumerConfig,
+                       source=args.source, slots=args.slots)
+    return rollout.main(config)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from pipeline import status
+    from pipeline.keys import Keys
+    from pipeline.redis_io import connect
+
+    if args.config:
+        raw = load_redis_section(args.config)
+    else:
+        raw = {"url": args.url, "namespace": args.namespace}
+    config = build(RedisConfig, raw)
+    return status.main(connect(config), Keys(config.namespace), config.url,
+                       shards=args.shards, as_json=args.json)
+
+
+def load_redis_section(path: str) -> dict:
+    """The `redis` section of any process's config file."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict) or not isinstance(data.get("redis", {}), dict):
+        raise ConfigError(f"config {path}: redis must be a mapping")
+    return data.get("redis", {})
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollstream", description=__doc__)
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -70,6 +118,25 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="one JSON record per line")
     demo.set_defaults(run=_demo)
+
+    adm = sub.add_parser("admission", help="run one shard's admission consumer")
+    adm.add_argument("--config", required=True, help="AdmissionConfig YAML or JSON")
+    adm.add_argument("--shard", type=int, help="override the config's shard (a trainer rank)")
+    adm.set_defaults(run=_admission)
+
+    con = sub.add_parser("consumer", help="run a stateless rollout consumer")
+    con.add_argument("--config", required=True, help="ConsumerConfig YAML or JSON")
+    con.add_argument("--source", help="module:factory of the SessionSource (overrides the config)")
+    con.add_argument("--slots", type=int, help="concurrent sessions (overrides the config)")
+    con.set_defaults(run=_consumer)
+
+    st = sub.add_parser("status", help="streams, groups, pending work and versions of a run")
+    st.add_argument("--config", help="any process's config file (its redis section is used)")
+    st.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    st.add_argument("--namespace", default="default")
+    st.add_argument("--shards", type=int, default=1)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(run=_status)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -37,8 +37,9 @@ step's token mean).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -85,6 +86,12 @@ class Rows:
             versions=t(packed.versions, torch.long),
             support=None if packed.support is None else t(packed.support, torch.long),
         )
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], device: torch.device | str = "cpu") -> Rows:
+        """Tensors of a packed step received as named arrays (a `wire.Ready`)."""
+        parts = {"support": None, **{f.name: arrays[f.name] for f in fields(cls) if f.name in arrays}}
+        return cls.from_packed(SimpleNamespace(**parts), device)  # type: ignore[arg-type]
 
     def slice(self, start: int, stop: int) -> Rows:
         """Rows start..stop-1."""

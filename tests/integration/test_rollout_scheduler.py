@@ -1,0 +1,90 @@
+"""The trainer's facade end to end: embedded Redis, in-process admission and rollout
+consumers, real packing; and a failing source failing the call."""
+
+import pytest
+
+from consumers.sources.scripted import ScriptedSource
+from consumers.sources.sleep import SleepSource
+from producers.tasks import StepFailed
+from trainer.rollout_scheduler import RolloutScheduler
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Publisher:
+    def __init__(self):
+        self.loads = []
+
+    def load(self, variables, version):
+        self.loads.append((variables, version))
+
+
+def batches(n, size=4):
+    return [{"task_id": list(range(i * size, (i + 1) * size))} for i in range(n)]
+
+
+def test_each_call_returns_the_packed_rows_of_its_batch_and_logs_a_record():
+    records, pub = [], Publisher()
+    with RolloutScheduler(None, SleepSource(median_s=0.005, seed=0), pub, width=128, rows=4,
+                          groups=2, ahead=1, max_lag=1, log=records.append) as sched:
+        for i, batch in enumerate(sched.tasks(batches(4))):
+            rows = sched(batch, f"weights-{i}")
+            assert tuple(rows.tokens.shape) == (4, 128)
+            assert int(rows.loss_mask.sum()) == 4 * 2 * 16  # 4 groups x 2 samples x 16 tokens
+        assert [r.groups for r in records] == [4, 4, 4, 4]
+        assert [r.updates for r in records] == [0, 1, 2, 3]
+        assert all(r.lag <= 1 for r in records) and all(r.waited >= 0 for r in records)
+        assert all(r.metrics["reward_mean"] >= 0 for r in records)
+    # weights are pushed whenever the served version falls sync_every (1) behind
+    assert pub.loads == [("weights-1", 1), ("weights-2", 2), ("weights-3", 3)]
+
+
+def test_a_source_that_raises_fails_the_call_with_its_traceback():
+    source = ScriptedSource(rules=[{"task": "2", "sample": 0, "raise": "environment exploded"}])
+    with RolloutScheduler(None, source, Publisher(), width=64, rows=4, groups=2, ahead=0,
+                          max_lag=0) as sched:
+        stream = iter(sched.tasks(batches(2, size=2)))
+        sched(next(stream), None)
+        with pytest.raises(StepFailed, match="environment exploded"):
+            sched(next(stream), None)
+
+
+def test_construction_refuses_a_staleness_bound_below_ahead_plus_sync_every():
+    with pytest.raises(ValueError, match="max_lag"):
+        RolloutScheduler(None, SleepSource(), Publisher(), width=64, rows=2, ahead=2, max_lag=1)
+
+
+def test_status_shows_a_live_pipeline(capsys):
+    import json
+    import time
+
+    from pipeline import cli, status
+
+    with RolloutScheduler(None, SleepSource(median_s=5.0, sigma=0.0, seed=0), Publisher(),
+                          width=64, rows=4, groups=2, ahead=1, max_lag=1, admission="stream",
+                          slots=3) as sched:
+        stream = iter(sched.tasks(batches(3, size=2)))
+        next(stream)
+        # stream mode backfills at registration: (ahead + 1) batches' worth is submitted
+        deadline = time.monotonic() + 20
+        while True:
+            snap = status.collect(sched.r, sched.keys)
+            work = snap["streams"].get(sched.keys.work, {"groups": [{"pending": 0}]})["groups"][0]
+            # three slots busy (pending), the rest waits in the stream (lag)
+            if snap["in_flight"] == 8 and work["pending"] == 3 and snap["consumers_alive"]:
+                break
+            assert time.monotonic() < deadline, snap
+            time.sleep(0.05)
+        assert work["lag"] == 5
+        url = sched.redis_config.url
+        assert cli.main(["status", "--url", url, "--namespace", sched.keys.namespace,
+                         "--json"]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["in_flight"] == 8 and printed["namespace"] == sched.keys.namespace
+
+
+def test_status_never_shows_credentials():
+    from pipeline.status import redact
+
+    assert redact("rediss://user:s3cret@redis.example:6380/0") == "rediss://redis.example:6380/0"
+    assert "s3cret" not in redact("redis://:s3cret@host/1")

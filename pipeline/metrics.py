@@ -1,0 +1,446 @@
+"""Every Prometheus metric of the pipeline, in one place, and the `/metrics` server.
+
+`Metrics(registry)` holds the metric objects of one process on its own `CollectorRegistry`
+(nothing is registered on prometheus_client's global default registry, so tests can build
+as many as they like). Names carry the `rollstream_` prefix and base units; counters end in
+`_total`; distributions that several replicas report are histograms, so they aggregate
+across pods with `sum by (le) (rate(..._bucket[5m]))`.
+
+Which process feeds what (each process only touches its own families; the rest stay
+empty in its scrape):
+
+- admission consumer (label `shard`): `observe_event` per scheduler event,
+  `observe_actions` per list of actions, `observe_finished` per result read,
+  `set_in_flight` after each transition, `observe_record` per packed step, `observe_stream`
+  per stream and group when it trims, `dead_letter`, `served_version`;
+- rollout consumer (label `consumer`): `set_slots`, `dead_letter`;
+- trainer (label `shard` = rank): `observe_train` per optimizer step, `observe_push` per
+  weight push (rank 0).
+
+`serve(metrics, "host:port", health=..., ready=...)` runs the HTTP endpoint: `/metrics`
+(Prometheus text, or OpenMetrics when the scraper asks for it), `/healthz` and `/readyz`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import metadata
+from typing import Any, Protocol
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.exposition import choose_encoder
+
+from pipeline.scheduler import Cancel, Discard, Submit
+from pipeline.sessions import Status
+
+log = logging.getLogger(__name__)
+
+PREFIX = "rollstream_"
+
+LAG_BUCKETS = tuple(float(b) for b in range(17))
+"""Lag of admitted rollouts, in trainer updates: one bucket per update from 0 to 16."""
+
+SESSION_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 150.0, 300.0,
+    600.0, 1200.0, 1800.0, 3600.0, 7200.0, 14400.0,
+)
+"""Session durations: roughly log-spaced from 10 ms to 4 h."""
+
+WAIT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    300.0, 600.0, 1800.0, 3600.0,
+)
+"""Trainer waits, weight pushes: 1 ms to 1 h."""
+
+STEP_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1200.0, 3600.0,
+)
+"""Optimizer step durations: 50 ms to 1 h."""
+
+RECORD_GAUGES = {
+    "loss": "trainer_loss",
+    "reward_mean": "reward_mean",
+    "importance_mean": "importance_weight_mean",
+    "importance_max": "importance_weight_max",
+    "mismatch_kl": "trainer_engine_mismatch_kl",
+    "tokens_per_s": "trainer_tokens_per_second",
+}
+"""Keys of `SchedulerRecord.metrics` (and of the trainer's loss metrics) that have a
+dedicated gauge; every finite key is also exported as `rollstream_step_metric{name=...}`."""
+
+
+class RecordLike(Protocol):
+    """The fields of `pipeline.scheduler.SchedulerRecord` that `observe_record` reads."""
+
+    updates: int
+    version: int
+    lag: int
+    groups: int
+    resubmitted: Mapping[str, int]
+    cancelled: int
+    abandoned: int
+    cut: int
+    waited: float
+    metrics: Mapping[str, float]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("rollstream")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Metrics:
+    """The pipeline's metrics on `registry` (a fresh `CollectorRegistry` when omitted).
+
+    `process=True` also registers the process and platform collectors (CPU, memory, open
+    file descriptors, Python version) on the same registry, as the servers want."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = False) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+
+        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, tuple(labels), registry=r)
+
+        def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, tuple(labels), registry=r)
+
+        def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, tuple(labels), buckets=buckets, registry=r)
+
+        # -- scheduler (admission consumer, label shard)
+        self.scheduler_events = counter(
+            "scheduler_events_total", "Events handled by the scheduling state machine, by kind "
+            "(open, register, handover, finish, publish, tick, close).", ("shard", "kind"))
+        self.samples_in_flight = gauge(
+            "samples_in_flight", "Samples submitted and not yet ended.", ("shard",))
+        self.samples_submitted = counter(
+            "samples_submitted_total", "Work entries submitted (first attempts and "
+            "resubmissions).", ("shard",))
+        self.samples_resubmitted = counter(
+            "samples_resubmitted_total", "Resubmissions by cause (infra_error, cancelled, "
+            "stale, timeout, unscored), from the SchedulerRecords.", ("shard", "cause"))
+        self.samples_finished = counter(
+            "samples_finished_total", "Results read, by session status (completed, "
+            "agent_error, truncated, infra_error, cancelled).", ("shard", "status"))
+        self.samples_cancelled = counter(
+            "samples_cancelled_total", "Cancels sent, by reason (surplus, stale, abandoned, "
+            "timeout, epoch, closed, broken).", ("shard", "reason"))
+        self.samples_discarded = counter(
+            "samples_discarded_total", "Results dropped without training, by reason "
+            "(superseded, stale, or the failure cause).", ("shard", "reason"))
+        self.groups_admitted = counter(
+            "groups_admitted_total", "Complete groups handed to the trainer.", ("shard",))
+        self.groups_abandoned = counter(
+            "groups_abandoned_total", "Groups given up after max_attempts failures of a "
+            "sample.", ("shard",))
+        self.groups_cut = counter(
+            "groups_cut_total", "Complete groups left out because their chains did not fit "
+            "the step's packed rows.", ("shard",))
+        self.admitted_lag = histogram(
+            "admitted_lag_updates", "Lag of each step's admitted rollouts: trainer updates "
+            "minus the weight version of the oldest admitted call (the step's worst case).",
+            ("shard",), LAG_BUCKETS)
+        self.session_duration = histogram(
+            "session_duration_seconds", "Submission-to-finish seconds of each rollout "
+            "session, whatever its status.", ("shard",), SESSION_BUCKETS)
+        self.step_metric = gauge(
+            "step_metric", "Every finite value of the latest SchedulerRecord.metrics, by key "
+            "(merge_ratio, non_pad_share, latency_s_p90, token_lag_mean, ...).",
+            ("shard", "name"))
+
+        # -- trainer (label shard = rank)
+        self.trainer_steps = counter(
+            "trainer_steps_total", "Steps the trainer consumed (SchedulerRecords).", ("shard",))
+        self.trainer_updates = gauge(
+            "trainer_updates", "Optimizer updates applied so far.", ("shard",))
+        self.trainer_waited = histogram(
+            "trainer_waited_seconds", "Seconds the trainer waited for each step's batch.",
+            ("shard",), WAIT_BUCKETS)
+        self.trainer_step = histogram(
+            "trainer_step_seconds", "Seconds of each optimizer step (rescore, loss, "
+            "backward, step).", ("shard",), STEP_BUCKETS)
+        self.trainer_tokens_per_second = gauge(
+            "trainer_tokens_per_second", "Trained tokens per second of the latest step.",
+            ("shard",))
+        self.trainer_loss = gauge("trainer_loss", "Loss of the latest step.", ("shard",))
+        self.reward_mean = gauge(
+            "reward_mean", "Mean verifier reward of the latest step's admitted rollouts.",
+            ("shard",))
+        self.importance_weight_mean = gauge(
+            "importance_weight_mean", "Mean behaviour importance weight (proximal / "
+            "behaviour) over the latest step's loss tokens.", ("shard",))
+        self.importance_weight_max = gauge(
+            "importance_weight_max", "Largest behaviour importance weight of the latest "
+            "step, before any cap.", ("shard",))
+        self.trainer_engine_mismatch_kl = gauge(
+            "trainer_engine_mismatch_kl", "Trainer-engine mismatch of the latest step: k3 "
+            "estimate of KL(behaviour || trainer) on tokens sampled by the trainer's "
+            "version.", ("shard",))
+
+        # -- rollout consumers (label consumer)
+        self.consumer_slots_busy = gauge(
+            "consumer_slots_busy", "Session slots running a rollout now.", ("consumer",))
+        self.consumer_slots = gauge(
+            "consumer_slots", "Session slots of the consumer (its capacity).", ("consumer",))
+
+        # -- streams
+        self.stream_length = gauge(
+            "stream_length", "Entries in the stream (XLEN).", ("stream",))
+        self.stream_group_lag = gauge(
+            "stream_group_lag", "Entries of the stream not yet delivered to the consumer "
+            "group (XINFO GROUPS lag).", ("stream", "group"))
+        self.stream_group_pending = gauge(
+            "stream_group_pending", "Entries delivered to the consumer group and not yet "
+            "acknowledged (XPENDING).", ("stream", "group"))
+        self.dead_letters = counter(
+            "dead_letters_total", "Entries moved to the dead-letter stream, by the stream "
+            "they came from and the reason.", ("stream", "reason"))
+
+        # -- weights
+        self.served_version = gauge(
+            "weights_served_version", "Weight version the inference engines serve now.")
+        self.published_version = gauge(
+            "weights_published_version", "Latest weight version the trainer published.")
+        self.weights_push = histogram(
+            "weights_push_seconds", "Seconds of each weight push, agreement to publication.",
+            (), WAIT_BUCKETS)
+
+        self.build = Info(PREFIX + "build", "The running rollstream build.", registry=r)
+
+    # ---------------------------------------------------------------------- helpers
+
+    def set_build(self, *, component: str, run: str) -> None:
+        """Label `rollstream_build_info` with the version, the process role and the run
+        namespace (so one Prometheus can tell several runs apart)."""
+        self.build.info({
+            "version": _version(),
+            "python": platform.python_version(),
+            "component": component,
+            "run": run,
+        })
+
+    def observe_event(self, shard: int, event: object) -> None:
+        """Count one scheduler event by kind (its class name, lowercased)."""
+        self.scheduler_events.labels(str(shard), type(event).__name__.lower()).inc()
+
+    def observe_actions(self, shard: int, actions: Iterable[object]) -> None:
+        """Count submissions, cancels by reason and discards by reason.
+
+        Resubmissions, abandoned groups and admitted groups come from `observe_record`
+        (the SchedulerRecord carries them), so this counts none of them."""
+        s = str(shard)
+        for action in actions:
+            if isinstance(action, Submit):
+                self.samples_submitted.labels(s).inc()
+            elif isinstance(action, Cancel):
+                self.samples_cancelled.labels(s, action.reason).inc()
+            elif isinstance(action, Discard):
+                self.samples_discarded.labels(s, action.reason).inc()
+
+    def observe_finished(self, shard: int, status: Status | str, duration_s: float | None) -> None:
+        """One result read: its status, and its session's duration when known."""
+        s = str(shard)
+        self.samples_finished.labels(s, status.value if isinstance(status, Status) else status).inc()
+        if duration_s is not None and math.isfinite(duration_s) and duration_s >= 0:
+            self.session_duration.labels(s).observe(duration_s)
+
+    def set_in_flight(self, shard: int, samples: int) -> None:
+        self.samples_in_flight.labels(str(shard)).set(samples)
+
+    def observe_record(self, record: RecordLike, *, shard: int) -> None:
+        """Everything one SchedulerRecord (one trainer step of `shard`) tells.
+
+        Counters: steps, admitted/abandoned/cut groups, resubmissions by cause.
+        Histograms: the step's lag, the trainer's wait. Gauges: updates, and the keys of
+        `record.metrics` (dedicated gauges for `RECORD_GAUGES`, all finite keys in
+        `rollstream_step_metric`). `record.cancelled` is not re-counted: the cancels are
+        counted with their reasons as they happen (`observe_actions`)."""
+        s = str(shard)
+        self.trainer_steps.labels(s).inc()
+        self.trainer_updates.labels(s).set(record.updates)
+        self.admitted_lag.labels(s).observe(record.lag)
+        self.trainer_waited.labels(s).observe(max(0.0, float(record.waited)))
+        self.groups_admitted.labels(s).inc(record.groups)
+        self.groups_abandoned.labels(s).inc(record.abandoned)
+        self.groups_cut.labels(s).inc(record.cut)
+        for cause, n in record.resubmitted.items():
+            if n:
+                self.samples_resubmitted.labels(s, cause).inc(n)
+        self._observe_values(s, record.metrics)
+
+    def observe_train(self, shard: int, *, step_s: float, tokens: int,
+                      metrics: Mapping[str, float]) -> None:
+        """One optimizer step of rank `shard`: its duration, throughput and loss metrics
+        (`GRPOObjective.loss` returns them: loss, importance_mean/max, mismatch_kl, ...)."""
+        s = str(shard)
+        self.trainer_step.labels(s).observe(step_s)
+        if step_s > 0:
+            self.trainer_tokens_per_second.labels(s).set(tokens / step_s)
+        self._observe_values(s, metrics)
+
+    def _observe_values(self, shard: str, values: Mapping[str, float]) -> None:
+        for key, value in values.items():
+            value = float(value)
+            if not math.isfinite(value):
+                continue
+            self.step_metric.labels(shard, key).set(value)
+            attr = RECORD_GAUGES.get(key)
+            if attr is not None:
+                getattr(self, attr).labels(shard).set(value)
+
+    def set_slots(self, consumer: str, *, busy: int, total: int) -> None:
+        self.consumer_slots_busy.labels(consumer).set(busy)
+        self.consumer_slots.labels(consumer).set(total)
+
+    def observe_stream(self, stream: str, length: int,
+                       groups: Mapping[str, tuple[int | None, int]] | None = None) -> None:
+        """`length` of `stream`, and `(lag, pending)` of each of its consumer groups (lag
+        None: the server cannot tell, as Redis < 7 and after some deletions)."""
+        self.stream_length.labels(stream).set(length)
+        for group, (lag, pending) in (groups or {}).items():
+            if lag is not None:
+                self.stream_group_lag.labels(stream, group).set(lag)
+            self.stream_group_pending.labels(stream, group).set(pending)
+
+    def dead_letter(self, stream: str, reason: str) -> None:
+        self.dead_letters.labels(stream, reason).inc()
+
+    def observe_push(self, version: int, seconds: float) -> None:
+        """The trainer published weight `version` in `seconds`."""
+        self.published_version.set(version)
+        self.weights_push.observe(seconds)
+
+
+def families(metrics: Metrics) -> dict[str, str]:
+    """`{family name: type}` of every metric defined on `metrics.registry` (the family
+    name as prometheus_client reports it: counters without `_total`, info without
+    `_info`)."""
+    return {f.name: f.type for f in metrics.registry.collect()}
+
+
+def sample_names(metrics: Metrics) -> set[str]:
+    """Every series name `metrics` can expose (`_total`, `_bucket`, `_sum`, `_count`,
+    `_info` included), for checking PromQL against the registry."""
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("", "_sum", "_count", "_created"),
+        "info": ("_info",),
+    }
+    return {name + suffix for name, kind in families(metrics).items()
+            for suffix in suffixes.get(kind, ("",))}
+
+
+# ------------------------------------------------------------------------------ server
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """`"host:port"` (or `"[v6]:port"`, or `":port"` for 127.0.0.1) to `(host, port)`."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"metrics address must be host:port, got {addr!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+@dataclass
+class MetricsServer:
+    """A running `/metrics` endpoint; `stop()` shuts it down and closes the socket."""
+
+    host: str
+    port: int
+    _server: ThreadingHTTPServer
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def _check(probe: Callable[[], bool]) -> tuple[bool, str]:
+    """A probe's verdict; a probe that raises says not-ok with the error (the server
+    must keep answering, so it is not re-raised)."""
+    try:
+        return bool(probe()), ""
+    except Exception as exc:  # noqa: BLE001 -- a failing probe is a 503, never a dead server
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def _handler(registry: CollectorRegistry, health: Callable[[], bool],
+             ready: Callable[[], bool]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "rollstream-metrics"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                self._send(200, encoder(registry), content_type)
+            elif path in ("/healthz", "/readyz"):
+                ok, why = _check(health if path == "/healthz" else ready)
+                body = b"ok\n" if ok else f"unavailable {why}".strip().encode() + b"\n"
+                self._send(200 if ok else 503, body, "text/plain; charset=utf-8")
+            else:
+                self._send(404, b"not found: try /metrics, /healthz, /readyz\n",
+                           "text/plain; charset=utf-8")
+
+        def _send(self, code: int, body: bytes, content_type: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("metrics %s - " + format, self.address_string(), *args)
+
+    return Handler
+
+
+def serve(metrics: Metrics, addr: str = "127.0.0.1:0", *,
+          health: Callable[[], bool] = lambda: True,
+          ready: Callable[[], bool] | None = None) -> MetricsServer:
+    """Serve `/metrics`, `/healthz` (200 while `health()` is true, else 503) and
+    `/readyz` (the same with `ready`, which defaults to `health`) on `addr` from a daemon
+    thread. Port 0 binds a free port; the returned server's `port` is the bound one."""
+    host, port = parse_addr(addr)
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = Server((host, port), _handler(metrics.registry, health, ready or health))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                              name=f"metrics:{addr}", daemon=True)
+    thread.start()
+    bound = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return MetricsServer(host, bound, server, thread)

@@ -79,6 +79,10 @@ class Keys:
         scheduler snapshot; `config`: the scheduler config it was built under)."""
         return self._sharded("state", shard)
 
+    def epoch(self, shard: int) -> str:
+        """Counter: the last epoch the trainer of `shard` opened (epochs only grow)."""
+        return self._sharded("epoch", shard)
+
     def journal(self, shard: int) -> str:
         """Stream: the events the admission consumer applied since its last snapshot."""
         return self._sharded("journal", shard)

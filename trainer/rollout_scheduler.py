@@ -158,7 +158,7 @@ class RolloutScheduler:
 
     def _open(self) -> int:
         # epochs only grow, across restarts of this process too
-        self.epoch = int(self.r.incr(self.keys.prefix + f"epoch:{self.shard}")) - 1
+        self.epoch = int(self.r.incr(self.keys.epoch(self.shard))) - 1
         self.step = -1
         self.writer.open(self.epoch)
         return self.epoch

@@ -38,6 +38,12 @@ protocol refuses (`ProtocolError`: a handover before its batch, an epoch going b
 is dead-lettered the same way (a refused handover also gets an error `Ready`, so the trainer
 raises instead of waiting), and the machine is rebuilt from Redis.
 
+Connection loss: `run` hands connection and timeout errors to a `redis_io.Outage` (bounded,
+jittered backoff; `RedisUnavailable` after `RedisConfig.reconnect_s`), then reconnects with a
+fresh client and recovers exactly as on start. A transaction whose reply was lost applies
+once either way: if it committed, its journal entry is replayed and its inputs are
+acknowledged; if not, neither, and the inputs are read again. See docs/pipeline.md.
+
 Exactly one admission consumer may run per shard (a Deployment of one replica with the
 Recreate strategy): two would both apply the shard's events.
 """
@@ -62,10 +68,12 @@ from consumers import journal, trimming
 from pipeline import wire
 from pipeline.config import AdmissionConfig, load
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
-from pipeline.packing import Group, PackedBatch, pack
+from pipeline.packing import Group, PackedBatch, Rollout, pack
 from pipeline.redis_io import (
+    FATAL,
     RETRYABLE,
-    backoff_s,
+    Outage,
+    check,
     connect,
     ensure_group,
     parse_id,
@@ -103,13 +111,8 @@ RECLAIM_PAGES = 20
 COMMIT_BYTES = 8 * 1024 * 1024
 """A read batch is committed in several transactions once this many payload bytes are staged."""
 COMMIT_TRANSITIONS = 256
-SNAPSHOT_EVERY = 1000
-"""Transitions between snapshots (each snapshot replaces the journal)."""
-CONTROL_RETENTION_S = 600.0
-"""Age past which cancels leave the control stream and the cancelled set."""
 RECORDS_MAXLEN = 10_000
 DEAD_MAXLEN = 10_000
-MAX_RECONNECTS = 10
 
 
 def member(key: SampleKey) -> str:
@@ -156,8 +159,8 @@ class Admission:
     """
 
     def __init__(self, config: AdmissionConfig, redis: redis.Redis, *,
-                 clock: Callable[[], float] = time.time, snapshot_every: int = SNAPSHOT_EVERY,
-                 control_retention_s: float = CONTROL_RETENTION_S,
+                 clock: Callable[[], float] = time.time, snapshot_every: int | None = None,
+                 control_retention_s: float | None = None,
                  read_count: int = READ_COUNT) -> None:
         self.config = config
         self.r = redis
@@ -166,8 +169,10 @@ class Admission:
         self.group = admission_group(config.shard)
         self.name = f"admission-{config.shard}"
         self.clock = clock
-        self.snapshot_every = snapshot_every
-        self.control_retention_s = control_retention_s
+        # the config's, unless overridden (tests)
+        self.snapshot_every = snapshot_every if snapshot_every is not None else config.snapshot_every
+        self.control_retention_s = (control_retention_s if control_retention_s is not None
+                                    else config.control_retention_s)
         self.read_count = read_count
         self.stats: Counter[str] = Counter()
         k = self.keys
@@ -178,33 +183,32 @@ class Admission:
         }
         self._next_reclaim = 0.0
         self._next_trim = time.monotonic() + config.trim_every_s
+        self.outage = Outage(f"admission shard {self.shard}", config.redis.reconnect_s)
+        check(self.r, config.redis)
         self._recover()
 
     # ------------------------------------------------------------------ loop
 
     def run(self, stop: threading.Event) -> None:
-        """Poll until `stop` is set. Connection errors are retried with backoff (bounded),
-        after which the machine is rebuilt from Redis: a transaction whose reply was lost
-        may or may not have committed."""
-        failures = 0
+        """Poll until `stop` is set. On a connection or timeout error: back off, reconnect
+        with a fresh client and recover exactly as on start (the machine rebuilt from the
+        snapshot and journal, the pending inputs read again): a transaction whose reply was
+        lost may or may not have committed, and only Redis knows which. Gives up with
+        `RedisUnavailable` after `reconnect_s` without Redis; refused credentials raise."""
         stale = False
         log.info("admission shard %d running (epoch %d)", self.shard, self.sched.epoch)
         while not stop.is_set():
             try:
                 if stale:
-                    self._recover()
+                    self._reconnect()
                     stale = False
                 self.poll_once(self.config.block_ms)
-                failures = 0
+                self.outage.ended()
+            except FATAL:
+                raise
             except RETRYABLE as exc:
-                failures += 1
-                if failures > MAX_RECONNECTS:
-                    raise
-                delay = backoff_s(failures)
-                log.warning("shard %d: Redis unavailable (%s); recovering in %.2fs",
-                            self.shard, exc, delay)
                 stale = True
-                stop.wait(delay)
+                stop.wait(self.outage.failed(exc))
         log.info("admission shard %d stopped: %s", self.shard, dict(self.stats))
 
     def poll_once(self, block_ms: int | None = None) -> int:
@@ -235,6 +239,15 @@ class Admission:
         self._rebuild()
         self._backlog = True  # read this consumer's own pending inputs first
         self._finish_reclaimed(self._own_work())
+
+    def _reconnect(self) -> None:
+        """A fresh client, then recovery from Redis (nothing in memory is trusted)."""
+        old, self.r = self.r, connect(self.config.redis)
+        old.close()
+        self.stats["reconnects"] += 1
+        self._recover()
+        log.info("shard %d: reconnected and recovered (epoch %d, %d in flight)", self.shard,
+                 self.sched.epoch, self.sched.in_flight)
 
     def _rebuild(self) -> None:
         self.sched, self._since_snapshot = journal.load(
@@ -311,9 +324,8 @@ class Admission:
         if msg.shard != self.shard:
             raise wire.SchemaError("shard", f"shard {msg.shard} on shard {self.shard}'s stream")
         if isinstance(msg, wire.Result):
-            oldest = min((c.version for c in msg.calls), default=None)
             key = SampleKey(msg.epoch, msg.group, msg.sample, msg.attempt)
-            return Finish(key, msg.status, msg.reward, oldest, msg.error)
+            return Finish(key, msg.status, msg.reward, msg.oldest_version, msg.error)
         if isinstance(msg, wire.Open):
             return Open(msg.epoch)
         if msg.epoch < self.sched.epoch:
@@ -411,7 +423,7 @@ class Admission:
         cfg = self.config.scheduler
         keys = [key for g in emit.groups for key in g.samples]
         payloads = self._payloads(txn, keys)
-        groups = [Group.from_sessions(g.group, [(key.sample, _session(payloads[key])) for key in g.samples])
+        groups = [Group.from_rollouts(g.group, [_rollout(payloads[key]) for key in g.samples])
                   for g in emit.groups]
         rec = emit.record
         try:
@@ -597,8 +609,9 @@ class Admission:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _session(payload: bytes):
-    return wire.decode(payload, wire.Result).session()
+def _rollout(payload: bytes) -> Rollout:
+    """A held result as packing reads it: its chains, merged by the consumer."""
+    return wire.decode(payload, wire.Result).rollout()
 
 
 def _reason(fields: Mapping, expect) -> str:
@@ -658,7 +671,7 @@ def _record_dict(emit: Emit, packed: PackedBatch, metrics: dict[str, float]) -> 
 # ---------------------------------------------------------------------------- entry point
 
 
-def main(config: AdmissionConfig, *, snapshot_every: int = SNAPSHOT_EVERY) -> int:
+def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
     """`rollstream admission --config FILE`: run until SIGTERM or SIGINT."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -670,8 +683,8 @@ def main(config: AdmissionConfig, *, snapshot_every: int = SNAPSHOT_EVERY) -> in
 def _cli(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m consumers.admission")
     parser.add_argument("--config", required=True)
-    parser.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY,
-                        help="transitions between scheduler snapshots")
+    parser.add_argument("--snapshot-every", type=int, default=None,
+                        help="transitions between scheduler snapshots (overrides the config)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     return main(load(AdmissionConfig, args.config), snapshot_every=args.snapshot_every)

@@ -21,6 +21,16 @@ that returns invalid data (a Session that does not encode, e.g. a positive log-p
 produces an INFRA_ERROR result without `error` plus a dead letter describing the data: bad
 data fails the attempt, which is resubmitted, but does not break the run.
 
+Connection loss (a Redis restart, a dropped connection): the main loop backs off, swaps in
+a fresh client and re-adopts its pending entries; running sessions keep running. The
+listener retries its read, and a session's publication retries its transaction, each
+through the same outage bound (`RedisConfig.reconnect_s`, then `RedisUnavailable` stops
+the consumer). A publication whose EXEC reply was lost is not simply repeated: it is retried
+only while its work entry is still pending under this consumer's name (the transaction also
+XACKs it), so a result is appended at most once per work entry by this consumer. If the
+lease lapsed during the outage and the admission consumer reclaimed the entry, nothing is
+published: the attempt was already finished as `infra_error` and resubmitted.
+
 Cancellation: work whose attempt is in `cancelled:{shard}` when it is read is acknowledged
 without running (the scheduler already ended that attempt). A Cancel on `control` sets the
 running session's cancel event; its result is still appended (the scheduler drops it).
@@ -57,12 +67,13 @@ from pipeline import wire
 from pipeline.config import ConsumerConfig, build, load
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.redis_io import (
+    FATAL,
     RETRYABLE,
-    backoff_s,
+    Outage,
+    check,
     connect,
     ensure_group,
     parse_id,
-    retry,
     text,
 )
 from pipeline.sessions import Session, SessionRequest, Status, is_async_source
@@ -71,7 +82,6 @@ log = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 5.0
 """After the grace period, how long cancelled sessions get to return."""
-MAX_RECONNECTS = 10
 
 
 def _member(work: wire.Work) -> str:
@@ -151,7 +161,7 @@ class RolloutConsumer:
         log.info("consumer %s running %d slots (source %s)", self.name, self.config.slots,
                  type(self.source).__name__)
         try:
-            failures = 0
+            outage = Outage(f"consumer {self.name}", self.config.redis.reconnect_s)
             adopt = True
             while not stop.is_set():
                 try:
@@ -162,14 +172,14 @@ class RolloutConsumer:
                     self._renew_if_due()
                     self._take_work()
                     self._heartbeat_if_due()
-                    failures = 0
+                    outage.ended()
+                except FATAL:
+                    raise
                 except RETRYABLE as exc:
-                    failures += 1
-                    if failures > MAX_RECONNECTS:
-                        raise
-                    log.warning("consumer %s: Redis unavailable (%s); retrying", self.name, exc)
+                    # sessions keep running; their results are published once Redis is back
+                    stop.wait(outage.failed(exc))
+                    self._reconnect()
                     adopt = True  # a lost read reply leaves entries pending under our name
-                    stop.wait(backoff_s(failures))
             self._drain()
         finally:
             self._shutdown()
@@ -178,6 +188,7 @@ class RolloutConsumer:
     # ------------------------------------------------------------------ start-up
 
     def _prepare(self) -> None:
+        check(self.r, self.config.redis)
         ensure_group(self.r, self.keys.work, WORK_GROUP)
         last = {self.keys.control: "0-0", self.keys.weights: "0-0"}
         for stream in last:
@@ -214,11 +225,20 @@ class RolloutConsumer:
         if self._failure is not None:
             raise RuntimeError(f"consumer {self.name}: a background thread failed") from self._failure
 
+    def _reconnect(self) -> None:
+        """Swap in a fresh client (session and listener threads pick it up at their next
+        command); the old one's idle connections are closed, in-use ones fail and retry."""
+        old, self.r = self.r, connect(self.config.redis)
+        old.connection_pool.disconnect(inuse_connections=False)
+        self.stats["reconnects"] += 1
+        self._next_renew = 0.0  # renew the leases first thing
+
     def _adopt_own_pending(self) -> None:
         """Run the entries pending under this consumer's name that it is not running (a
         restart under the same name, or a read whose reply was lost)."""
+        known = set(self._owned)  # before the read: one published meanwhile is still known
         reply = self.r.xreadgroup(WORK_GROUP, self.name, {self.keys.work: "0"})
-        items = [(i, f) for _, entries in reply or [] for i, f in entries if i not in self._owned]
+        items = [(i, f) for _, entries in reply or [] for i, f in entries if i not in known]
         gone = [i for i, f in items if not f]
         if gone:
             self.r.xack(self.keys.work, WORK_GROUP, *gone)
@@ -362,22 +382,52 @@ class RolloutConsumer:
             pipe.xack(self.keys.work, WORK_GROUP, o.entry_id)
             pipe.execute()
 
-        # a repeated result (a reply lost after EXEC) is dropped by the scheduler as superseded
-        retry(commit, what=f"publishing {_member(w)}")
+        self._deliver(o, commit)
         self.stats[f"results_{session.status.value}"] += 1
         self._release(o)
 
+    def _deliver(self, o: _Owned, commit: Callable[[], None]) -> None:
+        """Run `commit` (the result's MULTI/EXEC, which also XACKs the work entry) until it
+        is known to have applied, through outages of up to `reconnect_s`. After a failure
+        the EXEC may have applied with its reply lost, so before trying again the entry must
+        still be pending under this consumer's name: if not, it was acknowledged by that EXEC
+        (or reclaimed by the admission consumer, which already finished the attempt), and
+        publishing again would only append a duplicate."""
+        outage = Outage(f"consumer {self.name} publishing {_member(o.work)}",
+                        self.config.redis.reconnect_s)
+        while True:
+            try:
+                if outage.failures and not self._pending_here(o.entry_id):
+                    log.info("consumer %s: %s is no longer pending here; not publishing it again",
+                             self.name, _member(o.work))
+                    self.stats["republish_skipped"] += 1
+                    return
+                commit()
+                outage.ended()
+                return
+            except FATAL:
+                raise
+            except RETRYABLE as exc:
+                self.stats["publish_retries"] += 1
+                time.sleep(outage.failed(exc))
+
+    def _pending_here(self, entry_id: bytes) -> bool:
+        page = self.r.xpending_range(self.keys.work, WORK_GROUP, min=entry_id, max=entry_id,
+                                     count=1, consumername=self.name)
+        return bool(page)
+
     def _result_fields(self, o: _Owned, session: Session, error: str | None) -> tuple[dict, dict | None]:
-        """The result entry, and a dead letter when the session's data does not encode."""
+        """The result entry (the session's calls merged into chains here, so a repeated prompt
+        never crosses the network), and a dead letter when the session's data does not encode."""
         w = o.work
         timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started,
                    "finished": time.time()}
         session.timings = {**timings, **dict(session.timings)}
-        result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,
-                                          session, self.name, error)
         try:
+            result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,
+                                              session, self.name, error)
             return wire.to_fields(result), None
-        except wire.SchemaError as exc:
+        except ValueError as exc:  # SchemaError, or calls a source changed after making them
             reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"
             log.warning("consumer %s: %s", self.name, reason)
             self.stats["invalid_sessions"] += 1
@@ -390,8 +440,16 @@ class RolloutConsumer:
 
     def _listen(self, last: dict[str, str]) -> None:
         """Follow control (cancels) and weights (served version) until shutdown."""
+        outage = Outage(f"consumer {self.name} listener", self.config.redis.reconnect_s)
         while not self._quit.is_set():
-            reply = retry(lambda: self.r.xread(last, block=self.block_ms), what="reading control")
+            try:
+                reply = self.r.xread(last, block=self.block_ms)
+                outage.ended()
+            except FATAL:
+                raise
+            except RETRYABLE as exc:
+                self._quit.wait(outage.failed(exc))
+                continue
             for stream, items in reply or []:
                 for entry_id, fields in items:
                     last[text(stream)] = text(entry_id)
@@ -436,8 +494,13 @@ class RolloutConsumer:
         end = time.monotonic() + seconds
         while self._owned and time.monotonic() < end:
             self._raise_background_failure()
-            self._renew_if_due()
-            self._heartbeat_if_due()
+            try:
+                self._renew_if_due()
+                self._heartbeat_if_due()
+            except FATAL:
+                raise
+            except RETRYABLE as exc:  # renewed again on the next pass; results retry themselves
+                log.warning("consumer %s: lease renewal failed while draining: %s", self.name, exc)
             self._freed.clear()
             if self._owned:
                 self._freed.wait(min(self.block_ms / 1000, max(0.0, end - time.monotonic())))

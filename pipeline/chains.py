@@ -27,7 +27,7 @@ when no call continues another, and approaches 1 for long multi-turn sessions.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -182,7 +182,7 @@ def merge_ratio(chains: Sequence[Chain]) -> float:
 def chains_to_arrays(chains: Sequence[Chain]) -> dict[str, np.ndarray]:
     """Flatten chains into little-endian arrays: `lengths`, `calls`, `call_tokens` (one entry
     per chain) and `tokens`, `loss_mask`, `logprobs`, `versions` (all chains concatenated),
-    plus `support` (`[total, k]`, -1 padded) when any chain has support."""
+    plus `support` (`[total, k]`, -1 padded) when any chain has support (even of width 0)."""
     out: dict[str, np.ndarray] = {
         "lengths": np.array([len(c) for c in chains], dtype="<i4"),
         "calls": np.array([c.calls for c in chains], dtype="<i4"),
@@ -192,16 +192,32 @@ def chains_to_arrays(chains: Sequence[Chain]) -> dict[str, np.ndarray]:
     out["loss_mask"] = _cat([c.loss_mask for c in chains], np.dtype(bool))
     out["logprobs"] = _cat([c.logprobs for c in chains], LOGPROB_DTYPE)
     out["versions"] = _cat([c.versions for c in chains], VERSION_DTYPE)
-    k = max((c.support_width for c in chains), default=0)
-    if k:
-        blocks = []
-        for c in chains:
-            block = np.full((len(c), k), -1, dtype=TOKEN_DTYPE)
-            if c.support is not None:
-                block[:, : c.support.shape[1]] = c.support
-            blocks.append(block)
-        out["support"] = np.concatenate(blocks)
+    if any(c.support is not None for c in chains):
+        k = _support_k(chains)
+        out["support"] = np.concatenate([_padded_support(c, k) for c in chains])
     return out
+
+
+def uniform_support(chains: Sequence[Chain]) -> tuple[Chain, ...]:
+    """The chains with support all of one width, or all without: when any chain has support,
+    every chain gets a `[n, k]` support (k the widest, -1 padded; all -1 where a chain had
+    none). This is the form `chains_from_arrays` returns, so it survives the wire unchanged."""
+    if all(c.support is None for c in chains):
+        return tuple(chains)
+    k = _support_k(chains)
+    return tuple(c if c.support is not None and c.support_width == k
+                 else replace(c, support=_padded_support(c, k)) for c in chains)
+
+
+def _support_k(chains: Sequence[Chain]) -> int:
+    return max(c.support_width for c in chains)
+
+
+def _padded_support(chain: Chain, k: int) -> np.ndarray:
+    block = np.full((len(chain), k), -1, dtype=TOKEN_DTYPE)
+    if chain.support is not None:
+        block[:, : chain.support_width] = chain.support
+    return block
 
 
 def chains_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Chain]:

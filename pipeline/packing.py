@@ -91,9 +91,12 @@ class Group:
     ) -> Group:
         """A group from `{sample: session}` (or `(sample, session)` pairs), in sample order."""
         pairs = sessions.items() if isinstance(sessions, Mapping) else sessions
-        return cls(
-            group, tuple(Rollout.from_session(s, sess) for s, sess in sorted(pairs, key=lambda p: p[0]))
-        )
+        return cls.from_rollouts(group, (Rollout.from_session(s, sess) for s, sess in pairs))
+
+    @classmethod
+    def from_rollouts(cls, group: int, rollouts: Iterable[Rollout]) -> Group:
+        """A group of `rollouts` (already chains, e.g. `wire.Result.rollout()`), in sample order."""
+        return cls(group, tuple(sorted(rollouts, key=lambda r: r.sample)))
 
     @property
     def tokens(self) -> int:

@@ -5,7 +5,13 @@ fields of its class. Token ids and log-probabilities travel as packed little-end
 (`<i4`, `<f4`), the arrays of a packed step as `{"dtype", "shape", "data"}` with a whitelist of
 numeric dtypes; nothing is ever pickled.
 
-`decode` refuses anything malformed with a `SchemaError` naming the field (`calls.2.logprobs`),
+A `Result` carries its session's calls already merged into chains by the rollout consumer
+(`pipeline.chains`), as flat arrays (`chains.tokens`, `chains.lengths`, ...; log-probs,
+versions and support only for completion tokens), so a prompt that repeats the conversation
+so far never crosses the network twice. Schema version 2 introduced that; version 1 results
+(which carried the calls) are refused, and dead-lettered, like any other unsupported version.
+
+`decode` refuses anything malformed with a `SchemaError` naming the field (`chains.logprobs`),
 never another exception. `encode` runs the same checks on what it is about to send, so what
 one process encodes every other process decodes. On a Redis stream an entry carries one field,
 `m`, holding the encoded bytes (`to_fields` / `from_fields`); entries that fail to decode go to
@@ -24,9 +30,12 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Call, Session, Status, Task
+from pipeline.chains import (
+    NO_VERSION, VERSION_DTYPE, Chain, chains_from_arrays, chains_to_arrays, merge_calls, uniform_support)
+from pipeline.packing import Rollout
+from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 FIELD = b"m"  # the one field of a stream entry: the encoded message
 DEAD_LETTER_BYTES = 64 * 1024  # how much of an undecodable entry a dead letter keeps
@@ -173,23 +182,99 @@ def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
     return ids
 
 
-def _call(v: Any, path: str) -> Call:
-    d = _struct(v, path, ("prompt_ids", "completion_ids", "logprobs", "version", "support"))
-    prompt = _ids(_shaped(d["prompt_ids"], f"{path}.prompt_ids", TOKEN_DTYPE), f"{path}.prompt_ids")
-    completion = _ids(_shaped(d["completion_ids"], f"{path}.completion_ids", TOKEN_DTYPE),
-                      f"{path}.completion_ids")
-    logprobs = _shaped(d["logprobs"], f"{path}.logprobs", LOGPROB_DTYPE)
-    n = len(completion)
-    if len(logprobs) != n:
-        raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} log-probs for {n} completion tokens")
-    if not np.isfinite(logprobs).all() or (n and logprobs.max() > LOGPROB_EPSILON):
-        raise SchemaError(f"{path}.logprobs", f"must be finite and <= 0, got {logprobs.max()}")
-    version = _int(d["version"], f"{path}.version")
+# A Result's chains, one packed little-endian array per field: per chain `lengths`, `calls`,
+# `call_tokens`; per token `tokens` and `loss_mask` (one bit each, `np.packbits`, little bit
+# order, the last byte zero-padded); per loss (completion) token only `logprobs`
+# and `support` (nil or [loss tokens, k]); the loss tokens' versions run-length encoded
+# (`versions[i]` for the next `version_runs[i]` loss tokens; a version changes once per call
+# at most). Off the loss tokens log-probs, versions and support are 0, -1 and all -1 by
+# definition. So a prompt token costs 4 bytes and a bit, a completion token 8 bytes and a bit
+# (plus its support row): a single call costs about what it did as a call (2-7% more), and
+# every call that continues a chain saves its repeated prompt.
+_CHAIN_DTYPES = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tokens": np.dtype("<i8"),
+                 "tokens": TOKEN_DTYPE, "loss_mask": np.dtype("|u1"), "logprobs": LOGPROB_DTYPE,
+                 "versions": VERSION_DTYPE, "version_runs": np.dtype("<i4")}
+
+
+def _chains(v: Any, path: str) -> tuple[Chain, ...]:
+    """Chains from their wire arrays (above), every length and value checked."""
+    d = _struct(v, path, (*_CHAIN_DTYPES, "support"))
+    a = {name: _shaped(d[name], f"{path}.{name}", dtype) for name, dtype in _CHAIN_DTYPES.items()}
+    lengths, n = a["lengths"], len(a["lengths"])
+    for name in ("calls", "call_tokens"):
+        if len(a[name]) != n:
+            raise SchemaError(f"{path}.{name}", f"{len(a[name])} entries for {n} chains")
+    if n and lengths.min() < 0:
+        raise SchemaError(f"{path}.lengths", f"must be >= 0, got {lengths.min()}")
+    if n and a["calls"].min() < 1:
+        raise SchemaError(f"{path}.calls", f"must be >= 1, got {a['calls'].min()}")
+    if (a["call_tokens"] < lengths).any():
+        raise SchemaError(f"{path}.call_tokens", "must be >= the chain's length")
+    total = int(lengths.sum(dtype=np.int64))
+    if len(a["tokens"]) != total:
+        raise SchemaError(f"{path}.tokens", f"{len(a['tokens'])} entries, the lengths sum to {total}")
+    _ids(a["tokens"], f"{path}.tokens")
+    bits = a["loss_mask"]
+    if len(bits) != (total + 7) // 8:
+        raise SchemaError(f"{path}.loss_mask", f"{len(bits)} bytes for {total} bits")
+    loss = np.unpackbits(bits, bitorder="little").astype(bool)
+    if loss[total:].any():
+        raise SchemaError(f"{path}.loss_mask", "the padding bits of the last byte must be 0")
+    loss = loss[:total]
+    n_loss = int(loss.sum())
+    logprobs, versions, runs = a["logprobs"], a["versions"], a["version_runs"]
+    if len(logprobs) != n_loss:
+        raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} entries for {n_loss} loss tokens")
+    if not np.isfinite(logprobs).all() or (n_loss and logprobs.max() > LOGPROB_EPSILON):
+        raise SchemaError(f"{path}.logprobs", "must be finite and <= 0")
+    if len(runs) != len(versions):
+        raise SchemaError(f"{path}.version_runs", f"{len(runs)} runs for {len(versions)} versions")
+    if versions.size and versions.min() < 0:
+        raise SchemaError(f"{path}.versions", f"must be >= 0, got {versions.min()}")
+    if runs.size and runs.min() < 1:
+        raise SchemaError(f"{path}.version_runs", f"must be >= 1, got {runs.min()}")
+    if int(runs.sum(dtype=np.int64)) != n_loss:
+        raise SchemaError(f"{path}.version_runs", f"the runs cover {runs.sum(dtype=np.int64)} tokens, "
+                          f"not the {n_loss} loss tokens")
     where = f"{path}.support"
     support = None if d["support"] is None else _ids(_array(d["support"], where, TOKEN_DTYPE), where, -1)
-    if support is not None and (support.ndim != 2 or support.shape[0] != n):
-        raise SchemaError(f"{path}.support.shape", f"must be [{n}, k], got {list(support.shape)}")
-    return Call(prompt, completion, logprobs, version, support)
+    if support is not None and (support.ndim != 2 or support.shape[0] != n_loss):
+        raise SchemaError(f"{where}.shape", f"must be [{n_loss}, k] (a row per loss token), got "
+                          f"{list(support.shape)}")
+    full = {"logprobs": np.zeros(total, LOGPROB_DTYPE), "versions": np.full(total, NO_VERSION, VERSION_DTYPE)}
+    if support is not None:
+        full["support"] = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
+        full["support"][loss] = support
+    full["logprobs"][loss] = logprobs
+    full["versions"][loss] = np.repeat(versions, runs)
+    return tuple(chains_from_arrays({**a, "loss_mask": loss, **full}))
+
+
+def _chains_wire(chains: Any) -> Any:
+    """The wire form `_chains` reads (anything but chains is left for the checks to refuse)."""
+    if not isinstance(chains, (list, tuple)) or not all(isinstance(c, Chain) for c in chains):
+        return _wire(chains)
+    arrays = chains_to_arrays(chains)
+    loss = arrays["loss_mask"]
+    off = {"logprobs": 0, "versions": NO_VERSION, "support": -1}
+    for name, value in off.items():  # what the wire leaves out must be what decoding puts back
+        if name in arrays and (arrays[name][~loss] != value).any():
+            raise SchemaError(f"chains.{name}", f"must be {value} off loss tokens")
+    versions = arrays["versions"][loss]
+    change = np.ones(len(versions), dtype=bool)  # where a run of one version begins
+    change[1:] = versions[1:] != versions[:-1]
+    starts = np.flatnonzero(change)
+    arrays = {**arrays, "loss_mask": np.packbits(loss, bitorder="little"),
+              "logprobs": arrays["logprobs"][loss], "versions": versions[starts],
+              "version_runs": np.diff(starts, append=len(versions))}
+    out: dict[str, Any] = {name: np.ascontiguousarray(arrays[name], dtype).tobytes()
+                           for name, dtype in _CHAIN_DTYPES.items()}
+    support = arrays.get("support")
+    if support is not None:
+        support = np.ascontiguousarray(support[loss], TOKEN_DTYPE)
+        support = {"shape": list(support.shape), "data": support.tobytes()}
+    out["support"] = support
+    return out
 
 
 def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
@@ -238,6 +323,7 @@ class Message:
 
     KIND: ClassVar[str]
     SPEC: ClassVar[dict[str, Callable[[Any, str], Any]]]
+    WIRE: ClassVar[dict[str, Callable[[Any], Any]]] = {}  # fields with their own wire form
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Message):
@@ -319,30 +405,47 @@ class Cancel(_SampleMessage):
 
 
 @_message("result", **_SAMPLE, consumer=_nonempty_str, status=_choice(_STATUSES, Status),
-          reward=_opt(_float), components=_map(_float), calls=_seq(_call), truncation=_opt(_str),
+          reward=_opt(_float), components=_map(_float), chains=_chains, truncation=_opt(_str),
           timings=_map(_nonneg_float), error=_opt(_str))
 @dataclass(frozen=True, eq=False)
 class Result(_SampleMessage):
-    """What one attempt produced; `error` holds the traceback when the source raised."""
+    """What one attempt produced: its session with the calls merged into `chains` (the
+    consumer merges, `from_session`); `error` holds the traceback when the source raised.
+    When any chain has sampling support, every chain carries one of the same width
+    (`pipeline.chains.uniform_support`)."""
     consumer: str
     status: Status
     reward: float | None = None
     components: dict[str, float] = field(default_factory=dict)
-    calls: tuple[Call, ...] = ()
+    chains: tuple[Chain, ...] = ()
     truncation: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
-    def session(self) -> Session:
-        return Session(self.status, self.reward, dict(self.components), list(self.calls),
-                       self.truncation, dict(self.timings))
+    WIRE: ClassVar[dict[str, Callable[[Any], Any]]] = {"chains": _chains_wire}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chains, (list, tuple)) and all(isinstance(c, Chain) for c in self.chains):
+            object.__setattr__(self, "chains", uniform_support(self.chains))
 
     @classmethod
     def from_session(cls, shard: int, epoch: int, group: int, sample: int, attempt: int,
                      session: Session, consumer: str, error: str | None = None) -> Result:
+        """The result of a session: its calls merged into chains (`merge_calls`)."""
         return cls(shard, epoch, group, sample, attempt, consumer, session.status, session.reward,
-                   dict(session.components), tuple(session.calls), session.truncation,
+                   dict(session.components), tuple(merge_calls(session.calls)), session.truncation,
                    dict(session.timings), error)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The weight version of the oldest completion token (None without any): the
+        rollout's staleness. A call that completed no token carries no version here."""
+        return min((int(c.versions[c.loss_mask].min()) for c in self.chains if c.loss_tokens), default=None)
+
+    def rollout(self) -> Rollout:
+        """What packing needs of this result (the chains as they are, no merge)."""
+        return Rollout(self.sample, self.status, self.chains, self.reward, dict(self.components),
+                       self.truncation, dict(self.timings))
 
 
 @_message("weights", version=_int, location=_nonempty_str, digest=_str, size=_int)
@@ -393,21 +496,14 @@ def _wire(v: Any, depth: int = 0) -> Any:
         raise SchemaError("message", "nested too deeply")
     if isinstance(v, Message):
         out = {"v": SCHEMA_VERSION, "k": v.KIND}
-        out.update((f.name, _wire(getattr(v, f.name), depth + 1)) for f in dataclasses.fields(v))
+        for f in dataclasses.fields(v):
+            value = getattr(v, f.name)
+            out[f.name] = v.WIRE[f.name](value) if f.name in v.WIRE else _wire(value, depth + 1)
         return out
     if isinstance(v, Status):
         return v.value
     if isinstance(v, Task):
         return {"id": v.id, "payload": _wire(v.payload, depth + 1)}
-    if isinstance(v, Call):
-        support = None
-        if v.support is not None:
-            s = np.ascontiguousarray(v.support, TOKEN_DTYPE)
-            support = {"shape": list(s.shape), "data": s.tobytes()}
-        return {"prompt_ids": np.ascontiguousarray(v.prompt_ids, TOKEN_DTYPE).tobytes(),
-                "completion_ids": np.ascontiguousarray(v.completion_ids, TOKEN_DTYPE).tobytes(),
-                "logprobs": np.ascontiguousarray(v.logprobs, LOGPROB_DTYPE).tobytes(),
-                "version": _wire(v.version), "support": support}
     if isinstance(v, np.ndarray):
         if v.dtype.kind not in "biuf":  # refused by the checks, and never turned into bytes
             return {"dtype": v.dtype.str, "shape": list(v.shape), "data": b""}

@@ -10,6 +10,8 @@ import msgpack
 import pytest
 
 from consumers.sources.scripted import ScriptedSource
+from pipeline import wire
+from pipeline.sessions import Status
 from producers.tasks import StepFailed
 from tests.integration.helpers import Trainer, resubmitted
 
@@ -39,16 +41,17 @@ def test_poison_on_every_input_stream_is_dead_lettered_with_its_reason(threads, 
     r.xadd(keys.tasks(0), GARBAGE)
     r.xadd(keys.tasks(0), _packed(v=99, k="open", shard=0, epoch=3))
     r.xadd(keys.tasks(0), {b"x": b"no m field"})
-    r.xadd(keys.tasks(0), _packed(v=1, k="open", shard=1, epoch=3))  # another shard's
+    r.xadd(keys.tasks(0), _packed(v=wire.SCHEMA_VERSION, k="open", shard=1, epoch=3))  # another shard's
     r.xadd(keys.weights, GARBAGE)
     r.xadd(keys.work, GARBAGE)
     r.xadd(keys.control, GARBAGE)
     trainer.handover()
     # a result with a NaN reward that names the attempt running for 2 s: dead-lettered, and
     # the attempt is finished as infra_error (resubmitted) instead of waiting for it
+    no_chains = msgpack.unpackb(wire.encode(wire.Result(0, 0, 0, 0, 0, "x", Status.COMPLETED)))["chains"]
     r.xadd(keys.results(0), _packed(
-        v=1, k="result", shard=0, epoch=0, group=0, sample=0, attempt=0, consumer="x",
-        status="completed", reward=math.nan, components={}, calls=[], truncation=None,
+        v=wire.SCHEMA_VERSION, k="result", shard=0, epoch=0, group=0, sample=0, attempt=0, consumer="x",
+        status="completed", reward=math.nan, components={}, chains=no_chains, truncation=None,
         timings={}, error=None))
     first = trainer.wait(timeout_s=20)
     assert dict(resubmitted([first])) == {"infra_error": 1}

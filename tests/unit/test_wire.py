@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pipeline import wire
+from pipeline.chains import merge_calls, merge_ratio
+from pipeline.packing import Rollout
 from pipeline.sessions import Call, Session, Status, Task
 from pipeline.wire import (
     SCHEMA_VERSION,
@@ -40,11 +42,16 @@ def call(n_prompt=3, n_completion=2, version=1, support=False):
     )
 
 
+def chains(*calls):
+    return tuple(merge_calls(calls))
+
+
 def result(**kw):
     fields = {
         "shard": 0, "epoch": 1, "group": 2, "sample": 3, "attempt": 0, "consumer": "pod-a",
         "status": Status.COMPLETED, "reward": 1.0, "components": {"format": 0.5},
-        "calls": (call(), call(support=True)), "truncation": None, "timings": {"run_s": 1.25}, "error": None,
+        "chains": chains(call(), call(support=True)), "truncation": None, "timings": {"run_s": 1.25},
+        "error": None,
     }
     fields.update(kw)
     return Result(**fields)
@@ -62,8 +69,9 @@ EXAMPLES = [
     Work(0, 1, 2, 3, 0, TASK, 4),
     Cancel(0, 1, 2, 3, 1, "stale"),
     result(),
-    result(calls=(), reward=None, status=Status.INFRA_ERROR, error="Traceback ...\nBoom"),
-    result(calls=(call(0, 0), call(5, 0, support=True)), status=Status.TRUNCATED, truncation="length"),
+    result(chains=(), reward=None, status=Status.INFRA_ERROR, error="Traceback ...\nBoom"),
+    result(chains=chains(call(0, 0), call(5, 0, support=True)), status=Status.TRUNCATED, truncation="length"),
+    result(chains=chains(call(3, 2), Call([1, 2, 3, 100, 101, 7], [8], [-0.25], 2))),  # one merged chain
     Weights(3, "s3://bucket/v3", "sha256:abc", 123),
     Ready(0, 1, 2, 2, {
         "tokens": np.arange(12, dtype=np.int32).reshape(3, 4),
@@ -108,8 +116,8 @@ def test_round_trip(msg):
 
 
 def test_equality_sees_array_contents():
-    assert result() != result(calls=(call(version=2), call(support=True)))
-    assert result() != result(calls=(call(),))
+    assert result() != result(chains=chains(call(version=2), call(support=True)))
+    assert result() != result(chains=chains(call()))
     ready = EXAMPLES[-2]
     other = Ready(**{**ready.__dict__, "arrays": {**ready.arrays, "bytes": np.arange(1, 5, dtype=np.uint8)}})
     assert ready != other
@@ -122,29 +130,45 @@ def test_round_trip_keeps_dtypes_shapes_and_writable_arrays():
         assert ready.arrays[name].dtype == arr.dtype and ready.arrays[name].shape == arr.shape
         assert ready.arrays[name].flags.writeable
     res = decode(encode(result()))
-    c = res.calls[1]
-    assert c.prompt_ids.dtype == np.dtype("<i4") and c.logprobs.dtype == np.dtype("<f4")
-    assert c.support.shape == (2, 3) and c.support[0, 0] == -1
-    c.logprobs[0] = -9.0  # a decoded array is a copy, not a view of the message bytes
-    assert res.calls[0].support is None
+    c = res.chains[1]
+    assert c.tokens.dtype == np.dtype("<i4") and c.logprobs.dtype == np.dtype("<f4")
+    assert c.loss_mask.dtype == bool and c.versions.dtype == np.dtype("<i4")
+    assert c.support.shape == (5, 3) and (c.support[:3] == -1).all() and c.support[3, 0] == -1
+    assert c.support[3:].tolist() == call(support=True).support.tolist()
+    c.logprobs[3] = -9.0  # a decoded array is writable and not shared with the other chain
+    assert res.chains[0].logprobs[3] == np.float32(-0.5)
+    # when one chain has support, every chain carries one of the same width (all -1 here)
+    assert res.chains[0].support.shape == (5, 3) and (res.chains[0].support == -1).all()
     assert isinstance(res.status, Status) and res.status is Status.COMPLETED
 
 
 def test_arrays_travel_as_packed_little_endian_bytes():
     msg = raw(result())
-    assert (msg["v"], msg["k"]) == (SCHEMA_VERSION, "result")
-    c0, c1 = msg["calls"]
-    assert c0["prompt_ids"] == np.array([1, 2, 3], "<i4").tobytes()
-    assert c0["completion_ids"] == np.array([100, 101], "<i4").tobytes()
-    assert c0["logprobs"] == np.array([-0.5, -1.5], "<f4").tobytes()
-    assert c0["support"] is None
-    assert c1["support"] == {"shape": [2, 3], "data": (np.arange(6, dtype="<i4") - 1).tobytes()}
+    assert (msg["v"], msg["k"]) == (SCHEMA_VERSION, "result") == (2, "result")
+    c = msg["chains"]
+    assert sorted(c) == sorted(["lengths", "calls", "call_tokens", "tokens", "loss_mask", "logprobs",
+                                "versions", "version_runs", "support"])
+    assert c["lengths"] == np.array([5, 5], "<i4").tobytes()
+    assert c["calls"] == np.array([1, 1], "<i4").tobytes()
+    assert c["call_tokens"] == np.array([5, 5], "<i8").tobytes()
+    assert c["tokens"] == np.array([1, 2, 3, 100, 101] * 2, "<i4").tobytes()
+    assert c["loss_mask"] == bytes([0b00011000, 0b11]) == np.packbits([0, 0, 0, 1, 1] * 2, bitorder="little").tobytes()
+    # log-probs and support travel for loss (completion) tokens only, versions as runs
+    assert c["logprobs"] == np.array([-0.5, -1.5] * 2, "<f4").tobytes()
+    assert (c["versions"], c["version_runs"]) == (np.array([1], "<i4").tobytes(), np.array([4], "<i4").tobytes())
+    two = raw(result(chains=chains(call(version=1), call(version=2), call(version=2), call(version=1))))
+    assert np.frombuffer(two["chains"]["versions"], "<i4").tolist() == [1, 2, 1]
+    assert np.frombuffer(two["chains"]["version_runs"], "<i4").tolist() == [2, 4, 2]
+    support = np.full((4, 3), -1, "<i4")
+    support[2:] = np.arange(6).reshape(2, 3) - 1
+    assert c["support"] == {"shape": [4, 3], "data": support.tobytes()}
+    assert raw(result(chains=chains(call())))["chains"]["support"] is None
     arrays = raw(EXAMPLES[-2])["arrays"]
     assert arrays["tokens"] == {"dtype": "<i4", "shape": [3, 4], "data": np.arange(12, dtype="<i4").tobytes()}
     assert arrays["mask"]["dtype"] == "|b1" and arrays["scalar"]["shape"] == []
     # bin, not str and not arrays of numbers, in the msgpack bytes themselves
-    packed = encode(Result(0, 0, 0, 0, 0, "c", Status.COMPLETED, calls=(Call([7], [], [], 0),)))
-    assert b"prompt_ids\xc4\x04\x07\x00\x00\x00" in packed
+    packed = encode(Result(0, 0, 0, 0, 0, "c", Status.COMPLETED, chains=chains(Call([7], [], [], 0))))
+    assert b"tokens\xc4\x04\x07\x00\x00\x00" in packed
 
 
 def test_big_endian_arrays_are_sent_little_endian():
@@ -160,12 +184,54 @@ def test_session_round_trip():
     res = Result.from_session(0, 1, 2, 3, 4, session, "pod-b", error="tb")
     assert (res.shard, res.epoch, res.group, res.sample, res.attempt) == (0, 1, 2, 3, 4)
     assert (res.consumer, res.error) == ("pod-b", "tb")
-    back = decode(encode(res)).session()
-    assert isinstance(back, Session)
-    assert back.status is Status.TRUNCATED and back.reward == 0.5 and back.truncation == "length"
-    assert back.components == {"x": 1.0} and back.timings == {"run_s": 2.0}
-    assert len(back.calls) == 2 and back.oldest_version == 1
-    assert back.calls[1].support.tolist() == session.calls[1].support.tolist()
+    back = decode(encode(res))
+    assert back.oldest_version == 1
+    rollout = back.rollout()
+    expect = Rollout.from_session(3, session)
+    assert isinstance(rollout, Rollout) and rollout.sample == 3
+    assert rollout.status is Status.TRUNCATED and rollout.reward == 0.5 and rollout.truncation == "length"
+    assert rollout.components == {"x": 1.0} and rollout.timings == {"run_s": 2.0}
+    assert len(rollout.chains) == len(expect.chains) == 2
+    for got, want in zip(rollout.chains, expect.chains, strict=True):
+        for name in ("tokens", "loss_mask", "logprobs", "versions"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), name
+        assert (got.calls, got.call_tokens) == (want.calls, want.call_tokens)
+    assert rollout.chains[1].support.tolist() == expect.chains[1].support.tolist()
+    assert rollout.chains is back.chains  # no merge, no copy on the admission side
+
+
+def test_oldest_version_is_the_oldest_completion_token():
+    session = Session(Status.COMPLETED, 1.0, calls=[call(version=4), Call([1, 2, 3, 100, 101], [5], [-1.0], 6),
+                                                    Call([9], [8], [-1.0], 5)])
+    assert Result.from_session(0, 0, 0, 0, 0, session, "c").oldest_version == 4
+    assert Result.from_session(0, 0, 0, 0, 0, Session(Status.INFRA_ERROR), "c").oldest_version is None
+
+
+def test_a_multi_turn_session_carries_each_prompt_token_once():
+    """Three turns whose prompts extend each other: the result carries one chain of the
+    conversation, not the three prompts, so it encodes smaller than the calls alone."""
+    system = list(range(1, 201))  # a 200-token system prompt + task
+    turns = [(system, list(range(300, 340)))]  # (prompt, completion)
+    for t in (1, 2):
+        prompt, completion = turns[-1]
+        tool = list(range(500 + 100 * t, 560 + 100 * t))  # 60 tokens of tool output
+        turns.append((prompt + completion + tool, list(range(1000 + 50 * t, 1040 + 50 * t))))
+    calls = [Call(p, c, [-0.5] * len(c), version=3) for p, c in turns]
+    session = Session(Status.COMPLETED, 1.0, calls=calls)
+    data = encode(Result.from_session(0, 0, 0, 0, 0, session, "c"))
+    call_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+    (chain,) = decode(data).chains
+    assert len(chain) == len(turns[-1][0]) + len(turns[-1][1]) == 440
+    assert call_tokens == 240 + 340 + 440
+    assert (chain.calls, chain.call_tokens) == (3, call_tokens)
+    assert merge_ratio([chain]) == pytest.approx(1 - 440 / call_tokens)
+    # on the wire: the chain's tokens once, not each call's prompt again
+    tokens = msgpack.unpackb(data)["chains"]["tokens"]
+    assert len(tokens) == 4 * len(chain)
+    # the calls' arrays alone (prompt and completion ids, log-probs; 4 bytes each) are larger
+    calls_bytes = sum(len(c.prompt_ids) * 4 + len(c.completion_ids) * 8 for c in calls)
+    assert calls_bytes == 4560
+    assert len(data) < 0.8 * calls_bytes
 
 
 def test_numpy_scalars_are_accepted_on_encode():
@@ -248,7 +314,8 @@ def test_oversize_encode():
 
 def test_version_and_kind():
     good = raw(Open(0, 0))
-    refused({**good, "v": 2}, "v")
+    refused({**good, "v": 3}, "v")
+    refused({**good, "v": 1}, "v", "schema version 1 is not supported")
     refused({**good, "v": True}, "v")
     refused({**good, "v": 1.0}, "v")
     refused({**good, "v": "1"}, "v")
@@ -366,50 +433,107 @@ def test_task_payloads_on_encode():
     assert out.task.payload == {"a": [1, 2]}
 
 
-def test_calls():
+def test_an_old_v1_result_with_calls_is_refused_by_version():
+    old = {**raw(result()), "v": 1}
+    del old["chains"]
+    old["calls"] = [{"prompt_ids": b"\x01\x00\x00\x00", "completion_ids": b"", "logprobs": b"",
+                     "version": 0, "support": None}]
+    refused(old, "v", "schema version 1 is not supported (this is 2)")
+
+
+def test_chains():
+    good = raw(result(chains=chains(call(), call(support=True))))
+    c = good["chains"]
+
+    def with_chains(**change):
+        return {**good, "chains": {**c, **change}}
+
+    def i4(*values):
+        return np.array(values, "<i4").tobytes()
+
+    refused(with_chains(lengths=i4(5, 4)), "chains.tokens", "the lengths sum to 9")
+    refused(with_chains(lengths=i4(5, 5, 0)), "chains.calls", "2 entries for 3 chains")
+    refused(with_chains(lengths=i4(11, -1)), "chains.lengths", ">= 0")
+    refused(with_chains(lengths=c["lengths"][:-1]), "chains.lengths", "multiple of 4")
+    refused(with_chains(calls=i4(1)), "chains.calls", "1 entries for 2 chains")
+    refused(with_chains(calls=i4(1, 0)), "chains.calls", ">= 1")
+    refused(with_chains(call_tokens=np.array([5, 5, 5], "<i8").tobytes()), "chains.call_tokens", "3 entries")
+    refused(with_chains(call_tokens=np.array([5, 4], "<i8").tobytes()), "chains.call_tokens", "chain's length")
+    refused(with_chains(call_tokens=i4(5, 5)), "chains.call_tokens", "1 entries")  # <i8, not <i4
+    refused(with_chains(tokens=c["tokens"][:-4]), "chains.tokens", "9 entries")
+    refused(with_chains(tokens=c["tokens"][:-1]), "chains.tokens", "multiple of 4")
+    refused(with_chains(tokens=i4(1, 2, 3, 100, -1, 1, 2, 3, 100, 101)), "chains.tokens", ">= 0")
+    refused(with_chains(tokens=[1, 2]), "chains.tokens", "bytes")
+    def bits(*mask):
+        return np.packbits(mask, bitorder="little").tobytes()
+
+    refused(with_chains(loss_mask=c["loss_mask"][:-1]), "chains.loss_mask", "1 bytes for 10 bits")
+    refused(with_chains(loss_mask=c["loss_mask"] + b"\x00"), "chains.loss_mask", "3 bytes for 10 bits")
+    refused(with_chains(loss_mask=bits(*[0, 0, 0, 1, 1] * 2, 1)), "chains.loss_mask", "padding bits")
+    refused(with_chains(loss_mask=bits(*[0, 0, 1, 1, 1] * 2)), "chains.logprobs", "4 entries for 6 loss tokens")
+    refused(with_chains(loss_mask=bits(*[0, 0, 0, 1, 1] * 2), logprobs=c["logprobs"] + c["logprobs"]),
+            "chains.logprobs", "8 entries for 4")
+    refused(with_chains(logprobs=np.array([-0.5] * 3, "<f4").tobytes()), "chains.logprobs", "3 entries for 4")
+    refused(with_chains(logprobs=b"\x00" * 7), "chains.logprobs", "multiple of 4")
+    for bad in (np.nan, np.inf, -np.inf, 0.1):
+        refused(with_chains(logprobs=np.array([-0.5, bad, -0.5, -1.5], "<f4").tobytes()), "chains.logprobs",
+                "finite and <= 0")
+    ok = decode(msgpack.packb(with_chains(logprobs=np.array([-0.5, 5e-5, -0.5, -1.5], "<f4").tobytes())))
+    assert ok.chains[0].logprobs[4] == np.float32(5e-5)  # engine rounding above 0 is tolerated
+    refused(with_chains(versions=i4(1, 1)), "chains.version_runs", "1 runs for 2 versions")
+    refused(with_chains(versions=i4(-1)), "chains.versions", ">= 0")
+    refused(with_chains(versions=i4(1, 2), version_runs=i4(4, 0)), "chains.version_runs", ">= 1")
+    refused(with_chains(version_runs=i4(3)), "chains.version_runs", "cover 3 tokens, not the 4 loss tokens")
+    refused(with_chains(version_runs=i4(5)), "chains.version_runs", "cover 5 tokens")
+    back = decode(msgpack.packb(with_chains(versions=i4(1, 7), version_runs=i4(3, 1))))
+    assert back.chains[0].versions.tolist() == [-1, -1, -1, 1, 1] and back.chains[1].versions.tolist()[3:] == [1, 7]
+    refused({**good, "chains": {k: v for k, v in c.items() if k != "versions"}}, "chains.versions", "missing")
+    refused({**good, "chains": {k: v for k, v in c.items() if k != "support"}}, "chains.support", "missing")
+    refused(with_chains(extra=b""), "chains.extra", "unknown")
+    refused({**good, "chains": [c]}, "chains", "map")
+    refused({**good, "chains": None}, "chains", "map")
+    empty = decode(msgpack.packb(with_chains(**{k: b"" for k in c if k != "support"}, support=None)))
+    assert empty.chains == ()
+
+
+def test_chains_support():
     good = raw(result())
-    c0 = good["calls"][0]
-
-    def with_call(**change):
-        return {**good, "calls": [good["calls"][1], {**c0, **change}]}
-
-    refused(with_call(logprobs=np.array([-0.5], "<f4").tobytes()), "calls.1.logprobs", "1 log-probs for 2")
-    refused(with_call(logprobs=np.array([-0.5, 0.1], "<f4").tobytes()), "calls.1.logprobs", "<= 0")
-    refused(with_call(logprobs=np.array([-0.5, np.nan], "<f4").tobytes()), "calls.1.logprobs", "finite")
-    refused(with_call(logprobs=np.array([-0.5, -np.inf], "<f4").tobytes()), "calls.1.logprobs", "finite")
-    ok = decode(msgpack.packb(with_call(logprobs=np.array([-0.5, 5e-5], "<f4").tobytes())))
-    assert ok.calls[1].logprobs[1] == np.float32(5e-5)  # engine rounding above 0 is tolerated
-    refused(with_call(prompt_ids=b"\x01\x00\x00"), "calls.1.prompt_ids", "multiple of 4")
-    refused(with_call(logprobs=b"\x00" * 7), "calls.1.logprobs", "multiple of 4")
-    refused(with_call(completion_ids=np.array([1, -3], "<i4").tobytes()), "calls.1.completion_ids", ">= 0")
-    refused(with_call(prompt_ids=[1, 2, 3]), "calls.1.prompt_ids", "bytes")
-    refused(with_call(prompt_ids="abc"), "calls.1.prompt_ids", "bytes")
-    refused(with_call(version=-1), "calls.1.version")
-    refused(with_call(version=None), "calls.1.version")
-    refused({**good, "calls": [{k: v for k, v in c0.items() if k != "support"}]}, "calls.0.support", "missing")
-    refused({**good, "calls": [{**c0, "extra": 1}]}, "calls.0.extra", "unknown")
-    refused({**good, "calls": [b"x"]}, "calls.0", "map")
-    refused({**good, "calls": {"0": c0}}, "calls", "array")
-
-
-def test_support():
-    good = raw(result())
-    c1 = good["calls"][1]
+    c = good["chains"]
 
     def with_support(support):
-        return {**good, "calls": [good["calls"][0], {**c1, "support": support}]}
+        return {**good, "chains": {**c, "support": support}}
 
-    data = np.zeros(6, "<i4").tobytes()
-    assert decode(msgpack.packb(with_support({"shape": [2, 3], "data": data}))).calls[1].support.shape == (2, 3)
-    refused(with_support({"shape": [3, 2], "data": data}), "calls.1.support.shape", "[2, k]")
-    refused(with_support({"shape": [6], "data": data}), "calls.1.support.shape")
-    refused(with_support({"shape": [2, 4], "data": data}), "calls.1.support.data", "bytes for shape")
-    refused(with_support({"shape": [2, 3], "data": data[:-1]}), "calls.1.support.data")
-    refused(with_support({"shape": [2, -3], "data": data}), "calls.1.support.shape.1")
-    refused(with_support({"shape": [2, 3], "data": np.full(6, -2, "<i4").tobytes()}), "calls.1.support", ">= -1")
-    refused(with_support({"shape": [2, 3]}), "calls.1.support.data", "missing")
-    refused(with_support({"shape": [2, 3], "data": data, "dtype": "<i4"}), "calls.1.support.dtype", "unknown")
-    refused(with_support(data), "calls.1.support")
+    data = np.array([[7, 8], [9, -1], [-1, -1], [4, 5]], "<i4").tobytes()
+    back = decode(msgpack.packb(with_support({"shape": [4, 2], "data": data})))
+    assert back.chains[0].support.tolist() == [[-1, -1]] * 3 + [[7, 8], [9, -1]]  # prompt rows all -1
+    assert back.chains[1].support.tolist()[3:] == [[-1, -1], [4, 5]]
+    assert decode(msgpack.packb(with_support(None))).chains[0].support is None
+    refused(with_support({"shape": [2, 4], "data": data}), "chains.support.shape", "[4, k]")
+    refused(with_support({"shape": [8], "data": data}), "chains.support.shape")
+    refused(with_support({"shape": [4, 3], "data": data}), "chains.support.data", "bytes for shape")
+    refused(with_support({"shape": [4, 2], "data": data[:-1]}), "chains.support.data")
+    refused(with_support({"shape": [4, -2], "data": data}), "chains.support.shape.1")
+    refused(with_support({"shape": [4, 2], "data": np.full(8, -2, "<i4").tobytes()}), "chains.support", ">= -1")
+    refused(with_support({"shape": [4, 2]}), "chains.support.data", "missing")
+    refused(with_support({"shape": [4, 2], "data": data, "dtype": "<i4"}), "chains.support.dtype", "unknown")
+    refused(with_support(data), "chains.support")
+
+
+def test_results_of_anything_but_chains_are_refused_on_encode():
+    with pytest.raises(SchemaError) as info:
+        encode(result(chains=(call(),)))
+    assert info.value.field == "chains"
+    with pytest.raises(SchemaError) as info:
+        bad = chains(call())[0]
+        bad.logprobs[3] = 0.5
+        encode(result(chains=(bad,)))
+    assert info.value.field == "chains.logprobs"
+    for name, value, off in (("logprobs", -1.0, 0), ("versions", 0, -1), ("support", 3, -1)):
+        bad = chains(call(support=True))[0]
+        getattr(bad, name)[0] = value  # a prompt token: it would not survive the wire
+        with pytest.raises(SchemaError) as info:
+            encode(result(chains=(bad,)))
+        assert (info.value.field, info.value.reason) == (f"chains.{name}", f"must be {off} off loss tokens")
 
 
 def test_ready_arrays():
@@ -509,7 +633,7 @@ messages = st.one_of(
     st.builds(Cancel, *sample_key, st.text(min_size=1, max_size=8)),
     st.builds(
         Result, *sample_key, st.text(min_size=1, max_size=8), st.sampled_from(Status), st.none() | finite,
-        st.dictionaries(names, finite, max_size=3), st.lists(calls(), max_size=3).map(tuple),
+        st.dictionaries(names, finite, max_size=3), st.lists(calls(), max_size=3).map(lambda cs: chains(*cs)),
         st.none() | st.text(max_size=8), st.dictionaries(names, nonneg, max_size=3), st.none() | st.text(max_size=30),
     ),
     st.builds(Weights, u, st.text(min_size=1, max_size=8), st.text(max_size=8), u),
@@ -527,7 +651,7 @@ msgpack_values = st.recursive(
 )
 FIELD_NAMES = sorted({name for cls in wire._KINDS.values() for name in cls.SPEC})
 message_like = st.builds(
-    lambda kind, fields: {"v": 1, "k": kind, **fields},
+    lambda kind, fields: {"v": SCHEMA_VERSION, "k": kind, **fields},
     st.sampled_from(sorted(wire._KINDS)),
     st.dictionaries(st.sampled_from(FIELD_NAMES), msgpack_values, max_size=14),
 )

@@ -35,7 +35,8 @@ def safe_minid(r: redis.Redis, stream: str) -> str | None:
         bound = next_id(info["last-delivered-id"])
         if int(info["pending"]):
             oldest = r.xpending(stream, name)["min"]
-            bound = min(bound, text(oldest), key=parse_id)
+            if oldest is not None:  # None: acknowledged since XINFO
+                bound = min(bound, text(oldest), key=parse_id)
         bounds.append(bound)
     return min(bounds, key=parse_id) if bounds else None
 

@@ -84,6 +84,9 @@ class RedisConfig(_Model):
     password_file: str | None = None
     tls_ca_file: str | None = None
     socket_timeout_s: float = Field(30.0, gt=0)
+    reconnect_s: float = Field(
+        300.0, gt=0, description="how long a consumer keeps reconnecting after losing Redis before it gives up"
+    )
 
     @model_validator(mode="after")
     def _scheme(self) -> "RedisConfig":
@@ -108,6 +111,10 @@ class AdmissionConfig(_Model):
     block_ms: int = Field(1000, ge=1, description="longest blocking read")
     lease_s: float = Field(30.0, gt=0, description="work whose lease is older than this is reclaimed")
     trim_every_s: float = Field(10.0, gt=0)
+    snapshot_every: int = Field(1000, ge=1, description="transitions between scheduler snapshots")
+    control_retention_s: float = Field(
+        600.0, gt=0, description="age past which cancels leave the control stream and the cancelled set"
+    )
     metrics_addr: str = "127.0.0.1:9400"
 
 

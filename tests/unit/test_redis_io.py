@@ -65,3 +65,51 @@ def test_stream_ids():
     assert parse_id(b"1700000000000-3") == (1700000000000, 3)
     assert parse_id("5") == (5, 0)
     assert next_id(b"12-9") == "12-10"
+
+
+def test_an_outage_backs_off_with_jitter_up_to_the_cap_then_gives_up():
+    from pipeline.redis_io import Outage, RedisUnavailable
+
+    now = [0.0]
+    outage = Outage("test", 20.0, base_s=0.1, cap_s=5.0, clock=lambda: now[0], jitter=lambda: 1.0)
+    delays = []
+    for _ in range(8):
+        delays.append(outage.failed(redis.exceptions.ConnectionError("down")))
+        now[0] += delays[-1]
+    assert delays[:3] == pytest.approx([0.1, 0.2, 0.4])  # full delay at jitter 1.0
+    assert max(delays) == 5.0  # capped
+    half = Outage("test", 20.0, base_s=0.1, clock=lambda: 0.0, jitter=lambda: 0.0)
+    assert half.failed(redis.exceptions.ConnectionError("down")) == pytest.approx(0.05)
+    while now[0] < 20.0:
+        try:
+            now[0] += outage.failed(redis.exceptions.ConnectionError("down"))
+        except RedisUnavailable as exc:
+            assert "reconnect_s=20" in str(exc) and "ConnectionError: down" in str(exc)
+            break
+    else:
+        with pytest.raises(RedisUnavailable, match="giving up"):
+            outage.failed(redis.exceptions.ConnectionError("down"))
+    outage.ended()
+    assert outage.failures == 0 and outage.failed(redis.exceptions.TimeoutError("slow")) > 0
+
+
+def test_refused_credentials_are_never_retried():
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise redis.exceptions.AuthenticationError("WRONGPASS")
+
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        retry(refused, what="x", sleep=lambda _: None)
+    assert calls == [1]
+
+
+def test_acl_rules_confine_a_user_to_the_run_s_keys():
+    from pipeline.keys import Keys
+    from pipeline.redis_io import acl_rules, where
+
+    rules = acl_rules(Keys("exp1")).split()
+    assert rules[:4] == ["resetkeys", "~rs:{exp1}:*", "resetchannels", "-@all"]
+    assert {"+xreadgroup", "+multi", "+exec", "+xgroup|create"} <= set(rules)
+    assert where(RedisConfig(url="redis://u:pw@h:1/0")) == "redis://u:***@h:1/0"

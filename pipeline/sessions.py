@@ -184,7 +184,9 @@ class AsyncSessionSource(Protocol):
 
 
 SessionSource = Union[SyncSessionSource, AsyncSessionSource]
-"""A source implements `run(request) -> Session` or `async arun(request) -> Session`."""
+"""A source implements `run(request) -> Session` or `async arun(request) -> Session`. A
+source that samples from a filtered support (top-k/top-p) and reports `Call.support` sets
+the class attribute `filtered = True`; the scheduler then requires `support_capacity`."""
 
 
 def is_async_source(source: object) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
 from pipeline.keys import Keys
+from pipeline.packing import check_support
 from pipeline.redis_io import connect, embedded
 from pipeline.scheduler import SchedulerRecord
 from pipeline.sessions import Task
@@ -85,6 +86,8 @@ class RolloutScheduler:
             logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
         if redis is None and source is None:
             raise ValueError("source: an in-process pipeline (redis=None) needs a SessionSource")
+        # a source that samples from a filtered support (top-k/top-p) says so with `filtered`
+        check_support(bool(getattr(source, "filtered", False)), support_capacity)
         self.objective, self.source, self.weights = objective, source, weights
         self.shard, self.step_timeout_s = shard, step_timeout_s
         self._tasks, self._log = tasks, log

@@ -49,6 +49,14 @@ def test_a_source_that_raises_fails_the_call_with_its_traceback():
             sched(next(stream), None)
 
 
+def test_a_filtered_sampling_source_without_support_capacity_is_refused():
+    class TopK(SleepSource):
+        filtered = True
+
+    with pytest.raises(ValueError, match="support_capacity"):
+        RolloutScheduler(None, TopK(), Publisher(), width=64, rows=2)
+
+
 def test_construction_refuses_a_staleness_bound_below_ahead_plus_sync_every():
     with pytest.raises(ValueError, match="max_lag"):
         RolloutScheduler(None, SleepSource(), Publisher(), width=64, rows=2, ahead=2, max_lag=1)

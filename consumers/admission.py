@@ -58,6 +58,7 @@ import time
 import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -68,6 +69,7 @@ from consumers import journal, trimming
 from pipeline import wire
 from pipeline.config import AdmissionConfig, load
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
+from pipeline.metrics import Metrics, serve
 from pipeline.packing import Group, PackedBatch, Rollout, pack
 from pipeline.redis_io import (
     FATAL,
@@ -130,6 +132,7 @@ class _Txn:
 
     def __init__(self, r: redis.Redis) -> None:
         self.pipe = r.pipeline(transaction=True)
+        self.observe: list[Callable[[Metrics], None]] = []  # metrics, applied once committed
         self.held: dict[str, bytes | None] = {}
         self.acks: dict[tuple[str, str], list[bytes]] = defaultdict(list)
         self.transitions = 0
@@ -161,8 +164,9 @@ class Admission:
     def __init__(self, config: AdmissionConfig, redis: redis.Redis, *,
                  clock: Callable[[], float] = time.time, snapshot_every: int | None = None,
                  control_retention_s: float | None = None,
-                 read_count: int = READ_COUNT) -> None:
+                 read_count: int = READ_COUNT, metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.r = redis
         self.keys = Keys(config.redis.namespace)
         self.shard = config.shard
@@ -314,6 +318,9 @@ class Admission:
             log.info("shard %d: dropped %s %s: %s", self.shard, msg.KIND, text(entry_id), event)
         else:
             self._apply(txn, event, fields[wire.FIELD] if isinstance(msg, wire.Result) else None)
+        if isinstance(msg, wire.Result):
+            duration = _duration(msg.timings)
+            txn.observe.append(lambda m: m.observe_finished(self.shard, msg.status, duration))
         txn.ack(stream, self.group, entry_id)
 
     def _event(self, msg: wire.Message) -> Event | str:
@@ -353,6 +360,10 @@ class Admission:
             self._hold(txn, event.key, payload)
         for action in actions:
             self._carry_out(txn, action, now)
+        txn.observe.append(lambda m: (m.observe_event(self.shard, event),
+                                      m.observe_actions(self.shard, actions)))
+        if isinstance(event, Publish):
+            txn.observe.append(lambda m: m.served_version.set(self.sched.served))
         return actions
 
     def _tick(self) -> int:
@@ -367,6 +378,7 @@ class Admission:
         txn.transitions += 1
         for action in actions:
             self._carry_out(txn, action, now)
+        txn.observe.append(lambda m: m.observe_actions(self.shard, actions))
         return self._commit(txn)
 
     def _commit(self, txn: _Txn) -> int:
@@ -381,6 +393,10 @@ class Admission:
             txn.pipe.delete(self.keys.journal(self.shard))
         txn.pipe.execute()
         self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions
+        if self.metrics is not None:
+            for observe in txn.observe:
+                observe(self.metrics)
+            self.metrics.set_in_flight(self.shard, self.sched.in_flight)
         return txn.transitions
 
     # ------------------------------------------------------------------ actions
@@ -443,6 +459,8 @@ class Admission:
             txn.xadd(self.keys.ready(self.shard), ready)
             txn.xadd(self.keys.records(self.shard), record)
             self.stats["emitted"] += 1
+            final = replace(rec, cut=packed.cut, metrics=metrics)
+            txn.observe.append(lambda m: m.observe_record(final, shard=self.shard))
         self._unhold(txn, keys)
         live = self.sched.live_groups()
         for epoch, gid in list(self._held):
@@ -502,6 +520,7 @@ class Admission:
         self.stats["dead_letters"] += 1
         log.warning("shard %d: dead-lettered %s %s: %s", self.shard, stream, text(entry_id), reason)
         txn.xadd(self.keys.dead, wire.dead_letter_fields(stream, entry_id, reason, fields))
+        txn.observe.append(lambda m: m.dead_letter(stream, reason.split(":", 1)[0]))
 
     def _salvage(self, txn: _Txn, fields: Mapping) -> None:
         """Finish, as an INFRA_ERROR attempt, an invalid result that still names its attempt."""
@@ -604,9 +623,29 @@ class Admission:
         self.r.zremrangebyscore(k.cancelled(shard), "-inf", self.clock() - self.control_retention_s)
         trimming.trim_length(self.r, k.records(shard), RECORDS_MAXLEN)
         trimming.trim_length(self.r, k.dead, DEAD_MAXLEN)
+        if self.metrics is not None:
+            self._observe_streams()
+
+    def _observe_streams(self) -> None:
+        """Length, and lag and pending of each consumer group, of every stream of the shard."""
+        k = self.keys
+        for stream in (k.tasks(self.shard), k.results(self.shard), k.ready(self.shard),
+                       k.records(self.shard), k.work, k.control, k.weights, k.dead):
+            if not self.r.exists(stream):
+                continue
+            groups = {text(g["name"]): (g.get("lag"), g["pending"])
+                      for g in self.r.xinfo_groups(stream)}
+            self.metrics.observe_stream(stream, self.r.xlen(stream), groups)
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _duration(timings: Mapping[str, float]) -> float | None:
+    """A session's duration from the timings the consumer stamps (`started`, `finished`)."""
+    if "started" in timings and "finished" in timings:
+        return timings["finished"] - timings["started"]
+    return None
 
 
 def _rollout(payload: bytes) -> Rollout:
@@ -676,7 +715,18 @@ def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    Admission(config, connect(config.redis), snapshot_every=snapshot_every).run(stop)
+    metrics = Metrics(process=True)
+    metrics.set_build(component="admission", run=config.redis.namespace)
+    recovered = threading.Event()  # ready once the state is rebuilt from Redis
+    server = serve(metrics, config.metrics_addr, health=lambda: not stop.is_set(),
+                   ready=recovered.is_set)
+    try:
+        admission = Admission(config, connect(config.redis), snapshot_every=snapshot_every,
+                              metrics=metrics)
+        recovered.set()
+        admission.run(stop)
+    finally:
+        server.stop()
     return 0
 
 

@@ -66,6 +66,7 @@ from consumers.sources import load_source
 from pipeline import wire
 from pipeline.config import ConsumerConfig, build, load
 from pipeline.keys import WORK_GROUP, Keys
+from pipeline.metrics import Metrics, serve
 from pipeline.redis_io import (
     FATAL,
     RETRYABLE,
@@ -123,8 +124,9 @@ class RolloutConsumer:
     """See the module docstring. `run(stop)` works until `stop` is set, then drains."""
 
     def __init__(self, config: ConsumerConfig, source: Any, redis: redis.Redis,
-                 name: str | None = None) -> None:
+                 name: str | None = None, metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.source = source
         self.r = redis
         self.keys = Keys(config.redis.namespace)
@@ -283,6 +285,7 @@ class RolloutConsumer:
         with self._lock:
             self._owned[entry_id] = o
             self._by_ident[_ident(work)] = o
+            self._observe_slots()
         return o
 
     def _release(self, o: _Owned) -> None:
@@ -290,7 +293,12 @@ class RolloutConsumer:
             self._owned.pop(o.entry_id, None)
             if self._by_ident.get(_ident(o.work)) is o:
                 del self._by_ident[_ident(o.work)]
+            self._observe_slots()
         self._freed.set()
+
+    def _observe_slots(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_slots(self.name, busy=len(self._owned), total=self.config.slots)
 
     def _skip_cancelled(self, owned: Sequence[_Owned]) -> set[_Owned]:
         """Acknowledge, without running, attempts cancelled before they started."""
@@ -431,6 +439,8 @@ class RolloutConsumer:
             reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"
             log.warning("consumer %s: %s", self.name, reason)
             self.stats["invalid_sessions"] += 1
+            if self.metrics is not None:
+                self.metrics.dead_letter(self.keys.results(w.shard), "invalid session")
             failed = wire.Result(w.shard, w.epoch, w.group, w.sample, w.attempt, self.name,
                                  Status.INFRA_ERROR, timings=timings)
             dead = wire.dead_letter_fields(self.keys.results(w.shard), o.entry_id, reason, {})
@@ -527,7 +537,15 @@ def main(config: ConsumerConfig, source: Any = None, name: str | None = None) ->
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    RolloutConsumer(config, source, connect(config.redis), name=name).run(stop)
+    metrics = Metrics(process=True)
+    metrics.set_build(component="consumer", run=config.redis.namespace)
+    server = serve(metrics, config.metrics_addr, health=lambda: not stop.is_set())
+    try:
+        consumer = RolloutConsumer(config, source, connect(config.redis), name=name, metrics=metrics)
+        consumer._observe_slots()
+        consumer.run(stop)
+    finally:
+        server.stop()
     return 0
 
 

@@ -520,7 +520,8 @@ class Admission:
         self.stats["dead_letters"] += 1
         log.warning("shard %d: dead-lettered %s %s: %s", self.shard, stream, text(entry_id), reason)
         txn.xadd(self.keys.dead, wire.dead_letter_fields(stream, entry_id, reason, fields))
-        txn.observe.append(lambda m: m.dead_letter(stream, reason.split(":", 1)[0]))
+        short = stream.removeprefix(self.keys.prefix)
+        txn.observe.append(lambda m: m.dead_letter(short, reason.split(":", 1)[0]))
 
     def _salvage(self, txn: _Txn, fields: Mapping) -> None:
         """Finish, as an INFRA_ERROR attempt, an invalid result that still names its attempt."""
@@ -635,7 +636,7 @@ class Admission:
                 continue
             groups = {text(g["name"]): (g.get("lag"), g["pending"])
                       for g in self.r.xinfo_groups(stream)}
-            self.metrics.observe_stream(stream, self.r.xlen(stream), groups)
+            self.metrics.observe_stream(stream.removeprefix(k.prefix), self.r.xlen(stream), groups)
 
 
 # ---------------------------------------------------------------------------- helpers

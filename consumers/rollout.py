@@ -440,7 +440,7 @@ class RolloutConsumer:
             log.warning("consumer %s: %s", self.name, reason)
             self.stats["invalid_sessions"] += 1
             if self.metrics is not None:
-                self.metrics.dead_letter(self.keys.results(w.shard), "invalid session")
+                self.metrics.dead_letter(f"results:{w.shard}", "invalid session")
             failed = wire.Result(w.shard, w.epoch, w.group, w.sample, w.attempt, self.name,
                                  Status.INFRA_ERROR, timings=timings)
             dead = wire.dead_letter_fields(self.keys.results(w.shard), o.entry_id, reason, {})

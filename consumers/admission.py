@@ -69,7 +69,7 @@ from consumers import journal, trimming
 from pipeline import wire
 from pipeline.config import AdmissionConfig, load
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
-from pipeline.metrics import Metrics, serve
+from pipeline.metrics import Metrics, serving
 from pipeline.packing import Group, PackedBatch, Rollout, pack
 from pipeline.redis_io import (
     FATAL,
@@ -716,18 +716,13 @@ def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    metrics = Metrics(process=True)
-    metrics.set_build(component="admission", run=config.redis.namespace)
     recovered = threading.Event()  # ready once the state is rebuilt from Redis
-    server = serve(metrics, config.metrics_addr, health=lambda: not stop.is_set(),
-                   ready=recovered.is_set)
-    try:
+    with serving("admission", config.redis.namespace, config.metrics_addr,
+                 health=lambda: not stop.is_set(), ready=recovered.is_set) as metrics:
         admission = Admission(config, connect(config.redis), snapshot_every=snapshot_every,
                               metrics=metrics)
         recovered.set()
         admission.run(stop)
-    finally:
-        server.stop()
     return 0
 
 

@@ -66,7 +66,7 @@ from consumers.sources import load_source
 from pipeline import wire
 from pipeline.config import ConsumerConfig, build, load
 from pipeline.keys import WORK_GROUP, Keys
-from pipeline.metrics import Metrics, serve
+from pipeline.metrics import Metrics, serving
 from pipeline.redis_io import (
     FATAL,
     RETRYABLE,
@@ -537,15 +537,11 @@ def main(config: ConsumerConfig, source: Any = None, name: str | None = None) ->
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    metrics = Metrics(process=True)
-    metrics.set_build(component="consumer", run=config.redis.namespace)
-    server = serve(metrics, config.metrics_addr, health=lambda: not stop.is_set())
-    try:
+    with serving("consumer", config.redis.namespace, config.metrics_addr,
+                 health=lambda: not stop.is_set()) as metrics:
         consumer = RolloutConsumer(config, source, connect(config.redis), name=name, metrics=metrics)
         consumer._observe_slots()
         consumer.run(stop)
-    finally:
-        server.stop()
     return 0
 
 

@@ -23,12 +23,14 @@ empty in its scrape):
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import platform
 import socket
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
@@ -444,3 +446,16 @@ def serve(metrics: Metrics, addr: str = "127.0.0.1:0", *,
     bound = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return MetricsServer(host, bound, server, thread)
+
+
+@contextlib.contextmanager
+def serving(component: str, run: str, addr: str, *, health: Callable[[], bool],
+            ready: Callable[[], bool] | None = None) -> Iterator[Metrics]:
+    """A process's `Metrics`, labelled with its role and run, served on `addr` until exit."""
+    metrics = Metrics(process=True)
+    metrics.set_build(component=component, run=run)
+    server = serve(metrics, addr, health=health, ready=ready)
+    try:
+        yield metrics
+    finally:
+        server.stop()

@@ -52,7 +52,8 @@ def _bench_pack(args: argparse.Namespace) -> int:
 def _bench_scale(args: argparse.Namespace) -> int:
     from pipeline import bench_scale
 
-    return bench_scale.main((["--json"] if args.json else []) + ["--events", str(args.events)])
+    return bench_scale.main((["--json"] if args.json else [])
+                            + ["--events", str(args.events), "--repeats", str(args.repeats)])
 
 
 def _override(config, model, **values):
@@ -146,6 +147,7 @@ def parser() -> argparse.ArgumentParser:
     scale = bench_sub.add_parser("scale", help="scheduler cost per event, 1k to 100k in flight")
     scale.add_argument("--json", action="store_true")
     scale.add_argument("--events", type=int, default=20_000)
+    scale.add_argument("--repeats", type=int, default=3, help="runs per size; the best counts")
     scale.set_defaults(run=_bench_scale)
     return p
 

@@ -2,11 +2,12 @@ from pipeline import bench_scale
 
 
 def test_scale_bench_reports_cost_per_event_for_each_size():
-    result = bench_scale.run(sizes=(200, 2_000), events=2_000)
-    assert set(result["us_per_event"]) == {"200", "2000"}
-    assert all(v > 0 for v in result["us_per_event"].values())
-    assert result["ratio_largest_to_smallest"] == round(
-        result["us_per_event"]["2000"] / result["us_per_event"]["200"], 3)
+    result = bench_scale.run(sizes=(200, 2_000), events=2_000, repeats=2)
+    assert set(result) == {"per_event_us", "events", "repeats", "ratio"}
+    assert set(result["per_event_us"]) == {"200", "2000"}
+    assert all(v > 0 for v in result["per_event_us"].values())
+    assert result["ratio"] == round(
+        result["per_event_us"]["2000"] / result["per_event_us"]["200"], 3)
 
 
 def test_scale_bench_keeps_the_in_flight_target_and_emits_steps():

@@ -12,8 +12,10 @@ running pipeline whose consumers run elsewhere (then `source` may be None).
 
 Each call pushes the weights through `weights.load(variables, version)` when the served
 version has fallen `sync_every` updates behind, announces the version on the weights
-stream, hands the step over, waits on the ready stream, logs a `SchedulerRecord` (with
-`waited`, the seconds this call waited) and returns the packed rows as `Rows`.
+stream (with the location, digest and size `load` returns, if it returns them; see
+`producers.publishers`), hands the step over, waits on the ready stream, logs a
+`SchedulerRecord` (with `waited`, the seconds this call waited) and returns the packed rows
+as `Rows`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ logger = logging.getLogger(__name__)
 class Publisher(Protocol):
     """Where the trainer's weights go: load serves them under version."""
 
-    def load(self, variables: Any, version: int) -> None: ...
+    def load(self, variables: Any, version: int) -> Any:
+        """Serve `variables` as `version`. May return where it lies (an object with
+        `location`, `digest` and `size`, such as `producers.publishers.Published`), which
+        the weights announcement then carries; None announces the publisher's class name."""
+        ...
 
 
 class RolloutScheduler:
@@ -179,8 +185,14 @@ class RolloutScheduler:
         step = self.step + 1
         published = None
         if self.updates - self.published >= self.config.sync_every:
-            self.weights.load(variables, self.updates)
-            self.writer.announce_weights(self.updates, location=type(self.weights).__name__)
+            at = self.weights.load(variables, self.updates)
+            # a publisher that says where the version lies (producers.publishers.Published:
+            # location, digest, size) has that announced; otherwise its class name
+            if getattr(at, "location", None):
+                self.writer.announce_weights(self.updates, location=at.location,
+                                             digest=at.digest, size=at.size)
+            else:
+                self.writer.announce_weights(self.updates, location=type(self.weights).__name__)
             self.published = published = self.updates
         start = time.monotonic()
         self.writer.handover(self.epoch, step, self.updates, published)

@@ -1,0 +1,239 @@
+"""`PolicySource`: the consumer runs the policy itself, on CPU, against an environment.
+
+    source = PolicySource(env=GuessEnv(), model_config=TinyConfig(vocab=VOCAB.size),
+                          temperature=1.0, max_new_tokens=4,
+                          weights=WeightsLoader(RedisWeights(redis, keys)))
+
+Each call samples a completion token by token with temperature sampling (no top-k/top-p: the
+support is the full vocabulary) until `<eos>` or `max_new_tokens`, and reports the prompt
+ids, the completion ids, the behaviour log-probability of every sampled token under the
+temperature-scaled distribution it was drawn from (`log_softmax(logits / temperature)`, what
+`GRPOObjective(temperature=...)` rescores) and the weight version of the model that sampled
+it. The environment answers each completion; its answer extends the next call's prompt.
+
+Weights: version 0 is the model `model_config` builds (`TinyTransformer` initialises
+deterministically from its seed, so it matches a trainer built from the same config). Before
+every call the source compares `request.served_version()` with its model's version and, when
+a newer one is served, loads it through `weights` (a `consumers.weights.WeightsLoader`, or
+what `weights_loader` accepts: a directory, `{"redis": {...}}`). A running session thus
+continues across pushes and its later calls carry the new version. A newer version served
+with no `weights` configured is an error (its calls would be stale forever).
+
+Limits: a completion that reaches `max_new_tokens` without `<eos>` ends the session
+TRUNCATED (`max_new_tokens`, rewarded by the episode's verifier where it has one, for the
+`score` truncation policy); `max_turns` (calls) and `max_tokens` (the context: prompt plus
+completion) end it TRUNCATED with that reason. `request.cancelled` is polled before every
+token: a cancelled session returns CANCELLED within one forward pass.
+
+Thread-safety: the consumer runs each session in its own thread and several share this
+object. Models live in a pool: a session checks one out for its whole length (a model per
+running session, built on demand, reused afterwards), so sessions never share a model;
+the `WeightsLoader` fetches each version once under its lock, and each pooled model copies
+the cached tensors into its own parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from consumers.sources import envs as envs_module
+from consumers.weights import WeightsLoader, WeightsMissing, weights_loader
+from pipeline.sessions import Call, Session, SessionRequest, Status
+from trainer.model import TinyConfig, TinyTransformer
+
+log = logging.getLogger(__name__)
+
+
+def build_model(config: Any) -> nn.Module:
+    """A `TinyTransformer` for a `TinyConfig` (or a mapping of its fields); a Hugging Face
+    causal LM for a `transformers.PretrainedConfig` (initialised under a fixed torch seed)."""
+    if isinstance(config, Mapping):
+        config = TinyConfig(**config)
+    if isinstance(config, TinyConfig):
+        return TinyTransformer(config).eval()
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"model_config must be a TinyConfig or a PretrainedConfig, got {type(config).__name__}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return int(getattr(config, "vocab", None) or config.vocab_size)
+
+
+def _last_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids[None]) if isinstance(model, TinyTransformer) else model(input_ids=ids[None], use_cache=False)
+    return (out.logits if hasattr(out, "logits") else out)[0, -1]
+
+
+@dataclass
+class Sample:
+    """One sampled completion."""
+
+    ids: list[int]
+    logprobs: list[float]
+    ended: bool  # sampled `<eos>`
+    cancelled: bool
+
+
+class Policy:
+    """One model and the weight version it holds."""
+
+    def __init__(self, model: nn.Module, version: int = 0) -> None:
+        self.model, self.version = model, version
+
+    def update(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state)
+        self.version = version
+
+    @torch.inference_mode()
+    def sample(self, prompt: list[int], max_new_tokens: int, temperature: float, eos: int,
+               generator: torch.Generator, cancelled: Any = None) -> Sample:
+        """Sample up to `max_new_tokens` tokens after `prompt` (stopping after `eos`)."""
+        ids = torch.tensor(prompt, dtype=torch.long)
+        out, logprobs = [], []
+        for _ in range(max_new_tokens):
+            if cancelled is not None and cancelled.is_set():
+                return Sample(out, logprobs, False, True)
+            logp = torch.log_softmax(_last_logits(self.model, ids).float() / temperature, dim=-1)
+            token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+            out.append(token)
+            logprobs.append(min(float(logp[token]), 0.0))
+            if token == eos:
+                return Sample(out, logprobs, True, False)
+            ids = torch.cat([ids, ids.new_tensor([token])])
+        return Sample(out, logprobs, False, False)
+
+
+class PolicySource:
+    """See the module docstring. Keyword arguments only, so that a consumer builds it from
+    `ConsumerConfig.source_args` (`env` may then be a name of `envs.ENVS` with `env_args`,
+    `model_config` a mapping of `TinyConfig` fields, `weights` a mapping)."""
+
+    def __init__(self, *, env: Any, env_args: Mapping[str, Any] | None = None, model_config: Any = None,
+                 temperature: float = 1.0, max_new_tokens: int = 8, max_turns: int | None = None,
+                 max_tokens: int | None = None, weights: Any = None, seed: int | None = None) -> None:
+        if isinstance(env, str):
+            env = envs_module.ENVS[env](**dict(env_args or {}))
+        elif env_args:
+            raise ValueError("env_args applies to an environment named by a string")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if max_new_tokens < 1 or (max_turns is not None and max_turns < 1):
+            raise ValueError("max_new_tokens and max_turns must be >= 1")
+        self.env = env
+        self.model_config = TinyConfig(vocab=env.vocab.size) if model_config is None else model_config
+        self.temperature, self.max_new_tokens, self.max_turns = temperature, max_new_tokens, max_turns
+        self.seed = seed
+        self.weights: WeightsLoader | None = weights_loader(weights)
+        self._lock = threading.Lock()
+        self._free: list[Policy] = []
+        first = Policy(build_model(self.model_config))  # fails fast on a bad config
+        if _vocab_size(first.model) < env.vocab.size:
+            raise ValueError(f"the model's vocabulary ({_vocab_size(first.model)}) is smaller than "
+                             f"the environment's ({env.vocab.size})")
+        cfg = getattr(first.model, "config", None)
+        limit = getattr(cfg, "max_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        self.max_tokens = max_tokens if max_tokens is not None else limit
+        if limit is not None and self.max_tokens is not None and self.max_tokens > limit:
+            raise ValueError(f"max_tokens={self.max_tokens} is beyond the model's max_positions={limit}")
+        self._free.append(first)
+        self.models = 1
+
+    # ------------------------------------------------------------------ models
+
+    @contextmanager
+    def policy(self) -> Iterator[Policy]:
+        """A model of the pool, held for one session."""
+        with self._lock:
+            policy = self._free.pop() if self._free else None
+            if policy is None:
+                self.models += 1
+        if policy is None:
+            policy = Policy(build_model(self.model_config))
+        try:
+            yield policy
+        finally:
+            with self._lock:
+                self._free.append(policy)
+
+    def refresh(self, policy: Policy, request: SessionRequest) -> None:
+        """Load the served version into `policy` when it is newer than the one it holds."""
+        served = request.served_version()
+        if served <= policy.version:
+            return
+        if self.weights is None:
+            raise RuntimeError(f"weight version {served} is served but this PolicySource has no "
+                               "`weights` to load it from")
+        try:
+            state = self.weights.load(served)
+        except WeightsMissing:
+            newer = request.served_version()
+            if newer == served:
+                raise
+            log.info("weights version %d was superseded while loading; loading %d", served, newer)
+            served, state = newer, self.weights.load(newer)
+        policy.update(state, served)
+
+    def _generator(self, request: SessionRequest) -> torch.Generator:
+        gen = torch.Generator()
+        if self.seed is None:
+            gen.seed()
+        else:
+            key = f"{self.seed}:{request.task.id}:{request.group}:{request.sample}:{request.attempt}"
+            gen.manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little"))
+        return gen
+
+    # ------------------------------------------------------------------ a session
+
+    def run(self, request: SessionRequest) -> Session:
+        started = time.time()
+        episode = self.env.start(request.task)
+        generator = self._generator(request)
+        prompt = list(episode.prompt)
+        calls: list[Call] = []
+
+        def end(status: Status, reward: float | None = None, components: Mapping[str, float] | None = None,
+                truncation: str | None = None) -> Session:
+            return Session(status, reward, dict(components or {}), calls, truncation,
+                           {"run_s": time.time() - started})
+
+        with self.policy() as policy:
+            while True:
+                if request.cancelled.is_set():
+                    return end(Status.CANCELLED)
+                if self.max_turns is not None and len(calls) >= self.max_turns:
+                    return end(Status.TRUNCATED, truncation="max_turns")
+                budget = self.max_new_tokens
+                if self.max_tokens is not None:
+                    budget = min(budget, self.max_tokens - len(prompt))
+                if budget < 1:
+                    return end(Status.TRUNCATED, truncation="max_tokens")
+                self.refresh(policy, request)
+                s = policy.sample(prompt, budget, self.temperature, self.env.vocab.eos, generator,
+                                  request.cancelled)
+                if s.cancelled:
+                    return end(Status.CANCELLED)
+                calls.append(Call(prompt, s.ids, s.logprobs, policy.version))
+                if not s.ended:
+                    reason = "max_new_tokens" if budget == self.max_new_tokens else "max_tokens"
+                    return end(Status.TRUNCATED, episode.truncated(s.ids), truncation=reason)
+                turn = episode.step(s.ids)
+                if turn.done:
+                    return end(Status.COMPLETED, turn.reward, turn.components)
+                prompt = prompt + s.ids + list(turn.reply)

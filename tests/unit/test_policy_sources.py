@@ -1,0 +1,191 @@
+"""PolicySource, PromptSetSource and the tiny environments: behaviour log-probs, weight
+versions loaded between calls, cancellation, limits."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from consumers.sources.envs import VOCAB, ArithmeticEnv, GuessEnv, score
+from consumers.sources.policy import PolicySource
+from consumers.sources.prompts import PromptSetSource
+from pipeline.sessions import SessionRequest, Status, Task
+from producers.publishers import DirectoryPublisher
+from trainer.model import TinyConfig, TinyTransformer
+from trainer.objective import next_token_log_probs
+
+CONFIG = TinyConfig(vocab=VOCAB.size, d_model=16, n_layers=1, n_heads=2, max_positions=128)
+EOS = VOCAB.eos
+
+
+def request(task="5", served=lambda: 0, cancelled=None, sample=0):
+    return SessionRequest(Task(task), group=0, sample=sample, attempt=0, submitted_version=0,
+                          deadline=None, cancelled=cancelled or threading.Event(), served_version=served)
+
+
+def eos_model(bias, seed=0):
+    """A model whose next token is `<eos>` with a logit of about 3 * bias (never for bias < 0)."""
+    m = TinyTransformer(TinyConfig(**{**CONFIG.__dict__, "seed": seed}))
+    with torch.no_grad():
+        m.ln_f.weight[0] = 0.0
+        m.ln_f.bias[0] = 3.0
+        m.embed.weight[EOS] = 0.0
+        m.embed.weight[EOS, 0] = bias
+    return m
+
+
+def rescored(model, call, temperature):
+    ids = torch.cat([torch.as_tensor(call.prompt_ids), torch.as_tensor(call.completion_ids)]).long()[None]
+    with torch.no_grad():
+        logp = next_token_log_probs(model(ids), ids, temperature=temperature)[0]
+    return logp[len(call.prompt_ids):]
+
+
+def test_reported_log_probs_are_the_temperature_scaled_log_softmax_at_the_sampled_tokens():
+    source = PolicySource(env=ArithmeticEnv(op="copy", digits=3), model_config=CONFIG, temperature=0.7,
+                          max_new_tokens=6, seed=1)
+    for task in ("1", "2", "3"):
+        session = source.run(request(task))
+        assert session.status is Status.TRUNCATED and session.truncation == "max_new_tokens"
+        (call,) = session.calls
+        assert call.version == 0 and len(call.completion_ids) == 6
+        expected = rescored(TinyTransformer(CONFIG), call, 0.7)
+        assert torch.allclose(torch.as_tensor(call.logprobs), expected, atol=1e-5)
+        assert 0.0 <= session.reward <= 1.0
+
+
+def test_sampling_is_reproducible_per_seed_and_request():
+    make = lambda: PolicySource(env=ArithmeticEnv(), model_config=CONFIG, max_new_tokens=4, seed=3)
+    a, b = make().run(request("9")), make().run(request("9"))
+    assert a.calls == b.calls
+    assert make().run(request("9", sample=1)).calls != a.calls
+
+
+def test_a_weight_push_mid_session_is_loaded_before_the_next_call(tmp_path):
+    pub = DirectoryPublisher(tmp_path, keep=2)
+    pub.load(eos_model(3.0), 1)
+    pub.load(eos_model(1.5, seed=5), 2)
+    served = [1, 2]  # version 1 served for the first call, then 2
+    source = PolicySource(env=GuessEnv(n=8, max_turns=3), model_config=CONFIG, max_new_tokens=4,
+                          weights=str(tmp_path), seed=0)
+    session = source.run(request(served=lambda: served.pop(0) if len(served) > 1 else served[0]))
+    assert [c.version for c in session.calls] == [1, 2, 2]
+    assert session.status is Status.COMPLETED and session.reward == 0.0  # three invalid guesses
+    for call, model in zip(session.calls, (eos_model(3.0), eos_model(1.5, 5), eos_model(1.5, 5))):
+        assert torch.allclose(torch.as_tensor(call.logprobs), rescored(model, call, 1.0), atol=1e-5)
+    assert session.calls[0].logprobs[0] != pytest.approx(session.calls[1].logprobs[0], abs=1e-3)
+    # the calls extend each other: prompt + completion + the environment's answer
+    first, second = session.calls[:2]
+    assert list(second.prompt_ids) == [*first.prompt_ids, *first.completion_ids, VOCAB["<invalid>"]]
+    assert source.weights.fetches == 2
+
+
+def test_a_newer_version_without_weights_to_load_it_from_is_an_error():
+    source = PolicySource(env=ArithmeticEnv(), model_config=CONFIG, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="version 4 is served"):
+        source.run(request(served=lambda: 4))
+
+
+def test_cancellation_stops_a_session_between_tokens(tmp_path):
+    DirectoryPublisher(tmp_path).load(eos_model(-5.0), 1)  # never ends on its own
+    source = PolicySource(env=ArithmeticEnv(), model_config=CONFIG, max_new_tokens=120,
+                          weights=str(tmp_path))
+    cancelled, out = threading.Event(), {}
+    thread = threading.Thread(target=lambda: out.setdefault("s", source.run(request(served=lambda: 1, cancelled=cancelled))))
+    thread.start()
+    time.sleep(0.1)
+    set_at = time.monotonic()
+    cancelled.set()
+    thread.join(5)
+    assert time.monotonic() - set_at < 0.5
+    assert out["s"].status is Status.CANCELLED and out["s"].calls == []
+    already = threading.Event()
+    already.set()
+    assert source.run(request(cancelled=already)).status is Status.CANCELLED
+
+
+def test_token_turn_and_context_limits_truncate_with_the_reason(tmp_path):
+    DirectoryPublisher(tmp_path / "long").load(eos_model(-5.0), 1)
+    long = PolicySource(env=ArithmeticEnv(op="reverse", digits=3), model_config=CONFIG, max_new_tokens=5,
+                        weights=str(tmp_path / "long"))
+    s = long.run(request(served=lambda: 1))
+    assert (s.status, s.truncation, len(s.calls[0].completion_ids)) == (Status.TRUNCATED, "max_new_tokens", 5)
+    assert s.reward is not None and 0.0 <= s.reward <= 1.0
+    short = PolicySource(env=ArithmeticEnv(op="reverse", digits=3), model_config=CONFIG, max_new_tokens=5,
+                         max_tokens=9, weights=str(tmp_path / "long"))
+    s = short.run(request(served=lambda: 1))  # the prompt <bos>r:ddd= is 7 tokens
+    assert (s.status, s.truncation, len(s.calls[0].completion_ids)) == (Status.TRUNCATED, "max_tokens", 2)
+
+    DirectoryPublisher(tmp_path / "eos").load(eos_model(3.0), 1)
+    turns = PolicySource(env=GuessEnv(max_turns=3), model_config=CONFIG, max_new_tokens=3,
+                         max_turns=2, weights=str(tmp_path / "eos"))
+    s = turns.run(request(served=lambda: 1))
+    assert (s.status, s.truncation, len(s.calls)) == (Status.TRUNCATED, "max_turns", 2)
+
+
+def test_sessions_in_parallel_threads_use_models_of_their_own(tmp_path):
+    DirectoryPublisher(tmp_path).load(eos_model(-5.0), 1)
+    source = PolicySource(env=ArithmeticEnv(), model_config=CONFIG, max_new_tokens=30,
+                          weights=str(tmp_path), seed=0)
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.setdefault(i, source.run(request(str(i), served=lambda: 1))))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 4 and 1 < source.models <= 4
+    serial = PolicySource(env=ArithmeticEnv(), model_config=CONFIG, max_new_tokens=30,
+                          weights=str(tmp_path), seed=0)
+    assert all(serial.run(request(str(i), served=lambda: 1)).calls == results[i].calls for i in range(4))
+    assert source.weights.fetches == 1
+
+
+def test_environments_map_task_ids_to_problems_and_score_in_zero_one():
+    env = ArithmeticEnv(op="add")
+    assert env.problem(Task("12")) == env.problem(Task("12"))
+    assert [t.payload for t in env.tasks({"task_id": [12]})] == [env.problem(Task("12"))]
+    p = env.problem(Task("12"))
+    episode = env.start(Task("x", p))
+    assert episode.prompt == [VOCAB.bos, *VOCAB.encode(p["prompt"])]
+    right = episode.step(VOCAB.encode(p["answer"]) + [EOS])
+    assert right.done and right.reward == 1.0 and right.components == {"exact": 1.0, "eos": 1.0}
+    assert score("183", "18") == pytest.approx(2 / 3) and score("7", "77") == 0.5
+    assert ArithmeticEnv(op="reverse").problem(Task("x", {"prompt": "r:12=", "answer": "21"}))["answer"] == "21"
+
+    game = GuessEnv(n=8, max_turns=3).start(Task("g", {"secret": 5}))
+    assert game.step(VOCAB.encode("3") + [EOS]).reply == [VOCAB["<higher>"]]
+    assert game.step(VOCAB.encode("7") + [EOS]).reply == [VOCAB["<lower>"]]
+    last = game.step(VOCAB.encode("5") + [EOS])
+    assert last.done and last.reply == [VOCAB["<correct>"]] and last.reward == pytest.approx(1 / 3)
+    assert GuessEnv().start(Task("g", {"secret": 2})).step(VOCAB.encode("2")).reward == 1.0
+
+
+def test_prompt_set_source_scores_one_completion_per_session(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in [{"prompt": "1+1=", "answer": "2"},
+                                                      {"prompt": "2+2=", "answer": ""}]))
+    DirectoryPublisher(tmp_path / "w").load(eos_model(3.0), 1)
+    source = PromptSetSource(prompts=str(path), model_config=CONFIG, max_new_tokens=3,
+                             weights={"directory": str(tmp_path / "w")})
+    wrong, right = source.run(request("0", served=lambda: 1)), source.run(request("3", served=lambda: 1))
+    assert (wrong.status, wrong.reward, right.status, right.reward) == (Status.COMPLETED, 0.0, Status.COMPLETED, 1.0)
+    assert list(right.calls[0].prompt_ids) == [VOCAB.bos, *VOCAB.encode("2+2=")]
+    with pytest.raises(ValueError, match="needs 'prompt' and 'answer'"):
+        PromptSetSource(prompts=[{"question": "?"}], model_config=CONFIG)
+
+
+def test_a_hugging_face_config_builds_the_policy():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB.size, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=64)
+    source = PolicySource(env=ArithmeticEnv(), model_config=config, temperature=0.8, max_new_tokens=3, seed=0)
+    (call,) = source.run(request("4")).calls
+    model = source._free[0].model
+    ids = torch.cat([torch.as_tensor(call.prompt_ids), torch.as_tensor(call.completion_ids)]).long()[None]
+    with torch.no_grad():
+        logp = next_token_log_probs(model(input_ids=ids).logits, ids, temperature=0.8)[0]
+    assert torch.allclose(torch.as_tensor(call.logprobs), logp[len(call.prompt_ids):], atol=1e-5)

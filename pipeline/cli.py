@@ -56,6 +56,18 @@ def _bench_scale(args: argparse.Namespace) -> int:
                             + ["--events", str(args.events), "--repeats", str(args.repeats)])
 
 
+def _bench_schedule(args: argparse.Namespace) -> int:
+    from pipeline import bench_schedule
+
+    return bench_schedule.run_from_args(args)
+
+
+def _bench_admission(args: argparse.Namespace) -> int:
+    from pipeline import bench_admission
+
+    return bench_admission.run_from_args(args)
+
+
 def _override(config, model, **values):
     """`config` with the command line's values (those given) applied, validated again."""
     given = {k: v for k, v in values.items() if v is not None}
@@ -149,6 +161,14 @@ def parser() -> argparse.ArgumentParser:
     scale.add_argument("--events", type=int, default=20_000)
     scale.add_argument("--repeats", type=int, default=3, help="runs per size; the best counts")
     scale.set_defaults(run=_bench_scale)
+    from pipeline import bench_admission, bench_schedule
+
+    schedule = bench_sub.add_parser("schedule", help="sync, group, batch and stream policies on the whole pipeline")
+    bench_schedule.add_arguments(schedule)
+    schedule.set_defaults(run=_bench_schedule)
+    admission_bench = bench_sub.add_parser("admission", help="admission + packing against the raw Redis floor")
+    bench_admission.add_arguments(admission_bench)
+    admission_bench.set_defaults(run=_bench_admission)
     return p
 
 

@@ -46,6 +46,9 @@ class SchedulerConfig(_Model):
     inflight_samples: int | None = Field(
         None, ge=1, description="stream mode: samples kept in flight; None: (ahead + 1) batches' worth"
     )
+    backfill: Literal["sample", "group"] = Field(
+        "sample", description="stream mode: a sample's credit is released when it ends (sample), "
+        "or held until its whole group has ended (group: the legacy group-gated baseline)")
     width: int = Field(2048, ge=1, description="tokens per packed row")
     rows: int = Field(8, ge=1, description="packed rows per step (this process's share)")
     support_capacity: int | None = Field(None, ge=1, description="per-row room for sampling support")

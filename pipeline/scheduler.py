@@ -21,6 +21,13 @@ complete groups within the staleness bound from any registered batch, and submis
 credit-driven backfill: every sample that ends, whatever its outcome, is one credit; a
 resubmission takes one credit and `groups + oversample` credits submit one new group, so
 `in flight + credits == inflight_samples` holds after every event.
+
+Stream mode with `backfill="group"` (additive; the legacy group-gated baseline that sample
+backfill replaces): the credit of an ended sample is held by its group until every sample of
+that group has ended (admitted, failed for good, cancelled), and the group's credits are
+then released together; a resubmission still takes one credit (its own group's held credit
+first, else a free one). `in flight + credits + held == inflight_samples` holds after every
+event, so in flight never exceeds the target either way.
 """
 
 from __future__ import annotations
@@ -315,6 +322,7 @@ class Scheduler:
         self._broken: str | None = None
         self._counts = Counter()
         self._resubmitted: Counter[str] = Counter()
+        self._held_credits: dict[int, list] = {}  # backfill="group": gid -> [group, credits]
         self.credits = self.target = 0
         self._admit_default = 0
 
@@ -381,7 +389,7 @@ class Scheduler:
             out.append(Discard(ev.key, "superseded"))
             return
         group, sample = entry
-        self.credits += 1
+        self._credit(group)
         if ev.error is not None:
             out.append(Discard(ev.key, "broken"))
             self._broken = ev.error
@@ -523,11 +531,24 @@ class Scheduler:
 
     def _backfill(self, out: list[Action]) -> None:
         """Stream mode: spend credits, resubmissions first, then whole new groups."""
-        while self._resubmit and self.credits > 0:
-            group, sample, cause = self._resubmit.popleft()
+        if self._held_credits:
+            self._release_held()
+        while self._resubmit and (self.credits > 0 or self._held_credits):
+            group, sample, cause = self._resubmit[0]
             if self._groups.get(group.id) is group and sample.state == _IDLE and not group.complete:
-                self.credits -= 1
+                held = self._held_credits.get(group.id)
+                if held is not None and held[0] is group and held[1] > 0:
+                    held[1] -= 1  # group backfill: the group's own held credit first
+                    if held[1] == 0:
+                        del self._held_credits[group.id]
+                elif self.credits > 0:
+                    self.credits -= 1
+                else:
+                    break
                 self._submit(group, sample, cause, out)
+            self._resubmit.popleft()
+        if self._held_credits:
+            self._release_held()
         size = self.config.group_size
         while self._tasks and self.credits >= size and self._broken is None:
             batch, task = self._tasks.popleft()
@@ -563,9 +584,34 @@ class Scheduler:
         return SampleKey(self.epoch, group.id, sample.index, sample.attempt)
 
     def _end_running(self, key: SampleKey, action: Cancel, out: list[Action]) -> None:
-        del self._running[key]
-        self.credits += 1
+        group, _ = self._running.pop(key)
+        self._credit(group)
         out.append(action)
+
+    def _credit(self, group: _Group) -> None:
+        """One sample of `group` ended: a free credit, or (backfill="group") one held by its
+        group until the whole group has ended."""
+        if self.config.backfill != "group" or self.config.admission != "stream":
+            self.credits += 1
+            return
+        held = self._held_credits.get(group.id)
+        if held is None or held[0] is not group:
+            held = self._held_credits[group.id] = [group, 0]
+        held[1] += 1
+
+    def _release_held(self) -> None:
+        """backfill="group": free the held credits of every group that has ended (no sample
+        running or awaiting resubmission; a group no longer tracked has ended too)."""
+        for gid, (group, n) in list(self._held_credits.items()):
+            tracked = self._groups.get(gid) is group
+            if not tracked or all(s.state not in (_RUNNING, _IDLE) for s in group.samples):
+                self.credits += n
+                del self._held_credits[gid]
+
+    @property
+    def held_credits(self) -> int:
+        """backfill="group": credits held by groups that have not ended yet."""
+        return sum(n for _, n in self._held_credits.values())
 
     def _cancel_group(self, group: _Group, reason: str, out: list[Action]) -> None:
         """Cancel every running sample of `group`; samples not admitted end as surplus."""
@@ -669,7 +715,8 @@ class Scheduler:
             ref(group)
         running = [[list(_key_tuple(k)), ref(g), s.index] for k, (g, s) in self._running.items()]
         resubmit = [[ref(g), s.index, cause] for g, s, cause in self._resubmit]
-        return {
+        held = [[ref(g), n] for g, n in self._held_credits.values()]
+        snap = {
             "v": self.SNAPSHOT_VERSION,
             "shard": self.shard, "epoch": self.epoch, "served": self.served,
             "updates": self.updates, "credits": self.credits, "target": self.target,
@@ -688,6 +735,9 @@ class Scheduler:
             "counts": dict(self._counts), "resubmitted": dict(self._resubmitted),
             "admit_default": self._admit_default,
         }
+        if held:  # additive: only a group-backfill machine holds credits
+            snap["held_credits"] = held
+        return snap
 
     @classmethod
     def restore(cls, config: SchedulerConfig, snapshot: Mapping) -> Scheduler:
@@ -716,6 +766,7 @@ class Scheduler:
         sched._counts = Counter(s["counts"])
         sched._resubmitted = Counter(s["resubmitted"])
         sched._admit_default = s["admit_default"]
+        sched._held_credits = {objs[g].id: [objs[g], n] for g, n in s.get("held_credits", [])}
         return sched
 
 

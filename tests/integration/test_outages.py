@@ -33,7 +33,7 @@ def server(tmp_path):
         yield s
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_the_pipeline_survives_redis_restarts_and_admits_every_group_once(server):
     keys = Keys("outage")
     config = RedisConfig(url=server.url, namespace=keys.namespace, password_env=None,
@@ -55,7 +55,7 @@ def test_the_pipeline_survives_redis_restarts_and_admits_every_group_once(server
                 time.sleep(0.2 if step == 2 else 1.0)
                 server.start()
                 trainer.writer.r = connect(config)  # the trainer's appends are not retried
-            trainer.wait(timeout_s=30)
+            trainer.wait(timeout_s=60)
     finally:
         threads.stop_all()
     assert not threads.errors, threads.errors

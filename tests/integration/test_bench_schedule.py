@@ -1,0 +1,53 @@
+"""Smoke tests of `rollstream bench schedule` and `rollstream bench admission` with tiny
+parameters: the documented JSON structure and sane values (speed claims live in
+BENCHMARKS.md, not here)."""
+
+import math
+
+import pytest
+
+from pipeline import bench_admission, bench_schedule
+
+pytestmark = pytest.mark.timeout(60)
+
+FIELDS = {"samples_per_s", "utilization", "wait_share", "capacity_samples_per_s", "capacity_share",
+          "lag_max", "lag_mean", "max_lag", "wasted_slot_s", "resubmitted", "vs_sync", "vs_group"}
+
+
+def test_capped_lognormal_mean_matches_monte_carlo():
+    import random
+
+    rng = random.Random(0)
+    xs = [min(rng.lognormvariate(math.log(0.02), 1.0), 0.4) for _ in range(200_000)]
+    assert bench_schedule.capped_lognormal_mean(0.02, 1.0, 20.0) == pytest.approx(sum(xs) / len(xs), rel=0.01)
+    assert bench_schedule.capped_lognormal_mean(0.02, 0.0, 20.0) == 0.02
+
+
+def test_bench_schedule_reports_every_policy():
+    w = bench_schedule.workload_for(True, steps=2, slots=8, procs=1, batch_size=4, groups=2,
+                                    median_ms=5.0, train_ms=1.0)
+    out = bench_schedule.run(w)
+    assert set(out["policies"]) == {"sync", "group", "batch", "stream"}
+    assert out["workload"]["slots"] == 8 and out["workload"]["steps"] == 2
+    for name, p in out["policies"].items():
+        assert FIELDS <= set(p), name
+        assert p["steps"] == 2 and p["trained_samples"] == 2 * 4 * 2
+        assert p["samples_per_s"] > 0 and 0 < p["utilization"] <= 1.0
+        assert 0 <= p["wait_share"] <= 1.0 and p["capacity_share"] > 0
+        assert 0 <= p["lag_mean"] <= p["lag_max"] <= p["max_lag"]
+        assert p["wasted_slot_s"] >= 0
+        assert set(p["resubmitted"]) >= {"infra_error", "stale"}
+    assert out["policies"]["sync"]["vs_sync"]["samples_per_s"] == 1.0
+    assert out["policies"]["group"]["vs_group"]["samples_per_s"] == 1.0
+    assert out["policies"]["sync"]["wasted_slot_s"] == 0.0
+    assert out["policies"]["group"]["config"]["backfill"] == "group"
+
+
+def test_bench_admission_against_the_floor(redis_config):
+    out = bench_admission.run(redis_config.url, rollouts=128, admit=4, prompt=64, completion=192,
+                              width=1024)
+    assert out["admission"]["steps_emitted"] == 128 // 8 // 4
+    assert out["admission"]["held_after"] == 0
+    assert out["admission"]["rollouts_per_s"] > 0 and out["floor"]["rollouts_per_s"] > 0
+    assert out["ratio"] == pytest.approx(
+        out["admission"]["rollouts_per_s"] / out["floor"]["rollouts_per_s"], rel=0.01)

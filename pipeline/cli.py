@@ -15,6 +15,11 @@ from pipeline.config import (
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.trainer:
+        from trainer import demo as trainer_demo
+
+        rest = args.trainer_args
+        return trainer_demo.main(rest[1:] if rest[:1] == ["--"] else rest)
     from pipeline.simulate import StepReport, Workload, run
 
     config = build(SchedulerConfig, {
@@ -130,6 +135,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout-s", type=float, default=300.0)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="one JSON record per line")
+    demo.add_argument("--trainer", action="store_true",
+                      help="preview: the real pipeline and a one-rank DeepSpeed trainer learning "
+                           "a toy task (arguments after `--` go to it: --steps, --out, --redis)")
+    demo.add_argument("trainer_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     demo.set_defaults(run=_demo)
 
     adm = sub.add_parser("admission", help="run one shard's admission consumer")

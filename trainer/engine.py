@@ -1,0 +1,117 @@
+"""A DeepSpeed engine for one trainer rank, from a `TrainerConfig`.
+
+    engine = build_engine(config)       # deepspeed.DeepSpeedEngine; engine.module is the model
+    loss = ...; engine.backward(loss); engine.step()
+
+`build_engine` picks the device (cuda when available under ``device: auto``) and the
+distributed backend (nccl on GPU, gloo on CPU), and, when torch.distributed is not yet
+initialised, initialises it itself: from the launcher's environment (`RANK`, `WORLD_SIZE`,
+`MASTER_ADDR`, `MASTER_PORT`, as `deepspeed`/`torchrun` set them) or, with none, as a
+single rank (world size 1, a free local port), so DeepSpeed never falls back to MPI
+discovery. On a machine without CUDA it sets ``DS_ACCELERATOR=cpu`` before DeepSpeed is
+imported (DeepSpeed compiles a small shared-memory op with g++ on first use, ~40 s, then
+cached under ~/.cache/torch_extensions).
+
+The DeepSpeed config is generated: one micro-batch per step (the trainer hands it the whole
+packed `[rows, width]` batch; the loss is a token mean), the optimizer (torch
+implementations), ZeRO stage 0/1/2, gradient clipping; `config.deepspeed` is merged over it
+(nested dicts merged key by key).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+def device_of(config: TrainerConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def backend_of(config: TrainerConfig) -> str:
+    if config.backend != "auto":
+        return config.backend
+    return "nccl" if device_of(config).type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(backend: str) -> None:
+    """Initialise torch.distributed once: from the launcher's environment, or one rank."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    dist.init_process_group(backend, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    log.info("torch.distributed: %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deepspeed_config(config: TrainerConfig) -> dict[str, Any]:
+    """The DeepSpeed config dict `build_engine` passes (module docstring)."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "optimizer": config.optimizer.deepspeed(),
+        "zero_optimization": {"stage": config.zero_stage},
+        "gradient_clipping": config.gradient_clipping,
+        "steps_per_print": 10**9,  # the trainer logs its own steps
+        "wall_clock_breakdown": False,
+    }
+    return _merge(ds, config.deepspeed)
+
+
+def build_model(config: TrainerConfig) -> nn.Module:
+    """The model `config.model` describes, with the initial weights the rollout side's
+    `PolicySource(model_config=config.model.build())` builds too (version 0 matches)."""
+    from consumers.sources.policy import build_model as build
+
+    return build(config.model.build()).train()
+
+
+def build_engine(config: TrainerConfig, model: nn.Module | None = None) -> Any:
+    """A `deepspeed.DeepSpeedEngine` training `model` (default: `build_model(config)`)."""
+    device = device_of(config)
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    backend = backend_of(config)
+    init_distributed(backend)
+    import deepspeed  # after DS_ACCELERATOR is set
+
+    torch.manual_seed(config.seed)
+    model = build_model(config) if model is None else model
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_config(config), dist_init_required=False)
+    log.info("DeepSpeed engine: ZeRO stage %d, %s, %s on %s", config.zero_stage,
+             config.optimizer.type, backend, engine.device)
+    return engine

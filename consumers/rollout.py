@@ -273,9 +273,16 @@ class RolloutConsumer:
                 poison.xack(self.keys.work, WORK_GROUP, entry_id)
                 continue
             owned.append(self._own(entry_id, work))  # before the check: a later Cancel finds it
-        if len(poison):
-            poison.execute()
-        skipped = self._skip_cancelled(owned)
+        try:
+            if len(poison):
+                poison.execute()
+            skipped = self._skip_cancelled(owned)
+        except RETRYABLE:
+            # not started: forget them, so that adopting this consumer's pending entries
+            # after the reconnect starts them (kept, their leases would be renewed forever)
+            for o in owned:
+                self._release(o)
+            raise
         for o in owned:
             if o not in skipped:
                 self._spawn(self._session, o, name=f"{o.work.group}.{o.work.sample}.{o.work.attempt}")

@@ -125,3 +125,38 @@ def test_a_result_whose_exec_reply_was_lost_is_not_appended_twice(server):
     consumer._deliver(owned, commit)
     assert r.xlen(keys.results(0)) == 1 and calls == [1]
     assert consumer.stats["republish_skipped"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_work_read_just_before_an_outage_is_started_after_it(redis_config, r):
+    """Entries read, then not started because Redis went away, must not stay owned (their
+    leases would be renewed forever and nobody would run them): the consumer forgets them
+    and adopts them from its pending entries once Redis is back."""
+    from consumers.rollout import RolloutConsumer
+    from pipeline import wire
+    from pipeline.config import ConsumerConfig
+    from pipeline.redis_io import ensure_group
+    from pipeline.sessions import Task
+
+    keys = Keys(redis_config.namespace)
+    ensure_group(r, keys.work, WORK_GROUP)
+    r.xadd(keys.work, wire.to_fields(wire.Work(0, 0, 1, 0, 0, Task("t"), 0)))
+    config = build(ConsumerConfig, {"redis": redis_config.model_dump(mode="json"), "slots": 2})
+    consumer = RolloutConsumer(config, ScriptedSource(default={"duration_s": 0.0}), connect(redis_config))
+    real = consumer._skip_cancelled
+
+    def outage(owned):
+        raise redis_lib.exceptions.ConnectionError("Redis went away")
+
+    consumer._skip_cancelled = outage
+    reply = consumer.r.xreadgroup(WORK_GROUP, consumer.name, {keys.work: ">"}, count=2)
+    with pytest.raises(redis_lib.exceptions.ConnectionError):
+        consumer._start([(i, f) for _, entries in reply for i, f in entries])
+    assert consumer.running == 0, "an entry that never started is still owned"
+    consumer._skip_cancelled = real
+    consumer._adopt_own_pending()  # what the main loop does after reconnecting
+    deadline = time.monotonic() + 10
+    while r.xlen(keys.results(0)) == 0:
+        assert time.monotonic() < deadline, "the adopted entry never ran"
+        time.sleep(0.02)
+    assert r.xpending(keys.work, WORK_GROUP)["pending"] == 0

@@ -14,12 +14,7 @@ from pipeline.config import (
 )
 
 
-def _demo(args: argparse.Namespace) -> int:
-    if args.trainer:
-        from trainer import demo as trainer_demo
-
-        rest = args.trainer_args
-        return trainer_demo.main(rest[1:] if rest[:1] == ["--"] else rest)
+def _simulate(args: argparse.Namespace) -> int:
     from pipeline.simulate import StepReport, Workload, run
 
     config = build(SchedulerConfig, {
@@ -40,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
               f"cancelled={rec['cancelled']:3d}  abandoned={rec['abandoned']}  resubmitted={resub}")
 
     if not args.json:
-        print(f"rollstream demo: the scheduling core over a simulated workload "
+        print(f"rollstream simulate: the scheduling core over a simulated workload "
               f"({args.admission} admission, {args.slots} slots, log-normal sessions, "
               f"median {workload.median_s:g}s, virtual clock)")
     summary = run(config, workload, args.steps, show)
@@ -124,22 +119,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the scheduling core over a synthetic workload")
-    demo.add_argument("--steps", type=int, default=20)
-    demo.add_argument("--admission", choices=["batch", "stream"], default="batch")
-    demo.add_argument("--groups", type=int, default=4)
-    demo.add_argument("--oversample", type=int, default=1)
-    demo.add_argument("--ahead", type=int, default=1)
-    demo.add_argument("--batch-size", type=int, default=8)
-    demo.add_argument("--slots", type=int, default=64)
-    demo.add_argument("--timeout-s", type=float, default=300.0)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--json", action="store_true", help="one JSON record per line")
-    demo.add_argument("--trainer", action="store_true",
-                      help="preview: the real pipeline and a one-rank DeepSpeed trainer learning "
-                           "a toy task (arguments after `--` go to it: --steps, --out, --redis)")
-    demo.add_argument("trainer_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    demo.set_defaults(run=_demo)
+    demo = sub.add_parser(
+        "demo", add_help=False,
+        help="the main job: embedded Redis, the pipeline and a one-rank DeepSpeed trainer "
+             "learning a toy task (rollstream demo --help for its options)")
+    demo.set_defaults(run=None)  # main() hands `rollstream demo ...` to trainer.demo
+
+    sim = sub.add_parser("simulate", help="the scheduling core over a simulated heavy-tailed workload")
+    sim.add_argument("--steps", type=int, default=20)
+    sim.add_argument("--admission", choices=["batch", "stream"], default="batch")
+    sim.add_argument("--groups", type=int, default=4)
+    sim.add_argument("--oversample", type=int, default=1)
+    sim.add_argument("--ahead", type=int, default=1)
+    sim.add_argument("--batch-size", type=int, default=8)
+    sim.add_argument("--slots", type=int, default=64)
+    sim.add_argument("--timeout-s", type=float, default=300.0)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--json", action="store_true", help="one JSON record per line")
+    sim.set_defaults(run=_simulate)
 
     adm = sub.add_parser("admission", help="run one shard's admission consumer")
     adm.add_argument("--config", required=True, help="AdmissionConfig YAML or JSON")
@@ -182,6 +179,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options (rollstream demo --help)
+        from trainer import demo
+
+        return demo.main(argv[1:])
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -18,6 +18,12 @@ problems in the payload (a `RolloutScheduler(tasks=...)`).
   (docs/sources.md).
   Reward: the share of answer characters right in place over the longer of answer and
   completion (1 exactly when right); components `exact`, `eos` (the completion ended).
+  A completion cut at the token limit (`Episode.truncated`) is scored the same way on what
+  it said, so under a `max_new_tokens` equal to the answer's length (1 for one-digit copy,
+  what `rollstream demo --trainer` uses) the right answer earns 1 without `<eos>` and a
+  wrong one 0 (the verifier is unchanged: the answer is the whole completion); with a
+  longer limit, an answer followed by other tokens instead of `<eos>` earns its share
+  (`3xy` -> 1/3).
 - `GuessEnv(n=8, max_turns=3)`, multi-turn: the prompt is `<bos><guess>`; each turn the
   policy emits a digit (then `<eos>`) and the environment answers `<higher>`, `<lower>`,
   `<correct>` or `<invalid>`. Each call's prompt is the previous prompt, completion and

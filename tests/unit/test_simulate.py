@@ -32,8 +32,8 @@ def test_the_simulation_is_deterministic_for_a_seed():
     assert a == b and a != c
 
 
-def test_demo_prints_one_record_per_step_and_a_summary(capsys):
-    assert main(["demo", "--steps", "4", "--json"]) == 0
+def test_simulate_prints_one_record_per_step_and_a_summary(capsys):
+    assert main(["simulate", "--steps", "4", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["step"] for x in lines[:-1]] == [0, 1, 2, 3]
     assert set(lines[0]) >= {"updates", "version", "lag", "groups", "resubmitted", "cancelled",
@@ -41,6 +41,6 @@ def test_demo_prints_one_record_per_step_and_a_summary(capsys):
     assert lines[-1]["summary"]["steps"] == 4
 
 
-def test_demo_refuses_a_bad_config_naming_the_field(capsys):
-    assert main(["demo", "--groups", "0", "--steps", "1"]) == 2
+def test_simulate_refuses_a_bad_config_naming_the_field(capsys):
+    assert main(["simulate", "--groups", "0", "--steps", "1"]) == 2
     assert "groups" in capsys.readouterr().err

@@ -197,7 +197,7 @@ class RolloutScheduler:
             self.published = published = self.updates
         start = time.monotonic()
         self.writer.handover(self.epoch, step, self.updates, published)
-        ready = self.writer.wait_ready(self.epoch, step, self.step_timeout_s)
+        ready = self._wait_ready(step, start + self.step_timeout_s)
         waited = time.monotonic() - start
         self.step = step
         self.updates += 1
@@ -211,6 +211,18 @@ class RolloutScheduler:
         if self._log is not None:
             self._log(record)
         return Rows.from_arrays(ready.arrays)
+
+    def _wait_ready(self, step: int, deadline: float) -> Any:
+        """The ready entry of `step`, checking between short waits that the in-process
+        consumers are alive (a dead one raises here rather than at the step timeout)."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.writer.wait_ready(self.epoch, step, max(0.001, min(left, 1.0)))
+            except TimeoutError:
+                self._check_consumers()
+                if time.monotonic() >= deadline:
+                    raise
 
     def _check_consumers(self) -> None:
         if self._failure is not None:

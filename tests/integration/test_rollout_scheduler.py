@@ -96,3 +96,22 @@ def test_status_never_shows_credentials():
 
     assert redact("rediss://user:s3cret@redis.example:6380/0") == "rediss://redis.example:6380/0"
     assert "s3cret" not in redact("redis://:s3cret@host/1")
+
+
+def test_a_dead_in_process_consumer_fails_the_call_at_once():
+    import time
+
+    class Crashing:
+        """Kills the rollout consumer: a BaseException is no source error (that would be a
+        failed step), it takes the consumer's thread down."""
+
+        def run(self, request):
+            raise SystemExit("the rollout thread is gone")
+
+    with RolloutScheduler(None, Crashing(), Publisher(), width=64, rows=2, groups=1, ahead=0,
+                          max_lag=0, step_timeout_s=600) as sched:
+        stream = iter(sched.tasks(batches(1, size=1)))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="consumer died"):
+            sched(next(stream), None)
+        assert time.monotonic() - start < 30

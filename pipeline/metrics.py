@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -47,7 +47,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 
-from pipeline.scheduler import Cancel, Discard, Submit
+from pipeline.scheduler import Cancel, Discard, SchedulerRecord, Submit
 from pipeline.sessions import Status
 
 log = logging.getLogger(__name__)
@@ -85,21 +85,6 @@ RECORD_GAUGES = {
 }
 """Keys of `SchedulerRecord.metrics` (and of the trainer's loss metrics) that have a
 dedicated gauge; every finite key is also exported as `rollstream_step_metric{name=...}`."""
-
-
-class RecordLike(Protocol):
-    """The fields of `pipeline.scheduler.SchedulerRecord` that `observe_record` reads."""
-
-    updates: int
-    version: int
-    lag: int
-    groups: int
-    resubmitted: Mapping[str, int]
-    cancelled: int
-    abandoned: int
-    cut: int
-    waited: float
-    metrics: Mapping[str, float]
 
 
 def _version() -> str:
@@ -271,7 +256,7 @@ class Metrics:
     def set_in_flight(self, shard: int, samples: int) -> None:
         self.samples_in_flight.labels(str(shard)).set(samples)
 
-    def observe_record(self, record: RecordLike, *, shard: int) -> None:
+    def observe_record(self, record: SchedulerRecord, *, shard: int) -> None:
         """Everything one SchedulerRecord (one trainer step of `shard`) tells.
 
         Counters: steps, admitted/abandoned/cut groups, resubmissions by cause.

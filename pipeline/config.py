@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ESTIMATORS = ("group", "group_mean", "rloo")
 TRUNCATIONS = ("mask", "score", "zero")
 ADMISSIONS = ("batch", "stream")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the default of every process's `max_message_bytes` (pipeline.wire's)
 
 
 class ConfigError(ValueError):
@@ -91,15 +94,25 @@ class RedisConfig(_Model):
         300.0, gt=0, description="how long a consumer keeps reconnecting after losing Redis before it gives up"
     )
 
-    @model_validator(mode="after")
-    def _scheme(self) -> "RedisConfig":
-        if not self.url.lower().startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {self.url!r}")
-        return self
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        scheme = url.partition("://")[0]
+        if scheme.lower() not in ("redis", "rediss", "unix"):
+            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {url.rpartition('@')[2]!r}")
+        if urlsplit(url).password is not None:  # the URL is logged and shown; a password is not
+            raise ValueError("must not hold a password: give it through password_env or password_file")
+        return url
 
     def password(self) -> str | None:
+        """The password, from `password_file` or else the variable `password_env` names."""
         if self.password_file is not None:
-            return Path(self.password_file).read_text().strip()
+            try:
+                return Path(self.password_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError(f"redis.password_file: cannot read {self.password_file}: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"redis.password_file: {self.password_file} is not UTF-8 text") from None
         if self.password_env:
             return os.environ.get(self.password_env) or None
         return None
@@ -118,6 +131,11 @@ class AdmissionConfig(_Model):
     control_retention_s: float = Field(
         600.0, gt=0, description="age past which cancels leave the control stream and the cancelled set"
     )
+    vocab: int | None = Field(
+        None, ge=1, description="the model's vocabulary size: a result with a token id >= vocab is "
+        "dead-lettered and its sample resubmitted; None: any non-negative int32 id")
+    max_message_bytes: int = Field(
+        MAX_MESSAGE_BYTES, ge=1024, description="largest entry read (bigger ones are dead-lettered) or written")
     metrics_addr: str = "127.0.0.1:9400"
 
 
@@ -131,6 +149,12 @@ class ConsumerConfig(_Model):
     lease_s: float = Field(30.0, gt=0, description="lease renewed every lease_s / 3")
     block_ms: int = Field(1000, ge=1)
     grace_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish running sessions")
+    vocab: int | None = Field(
+        None, ge=1, description="the model's vocabulary size: a session with a token id >= vocab is "
+        "reported as an infra_error (and dead-lettered) instead of published; None: no bound")
+    max_message_bytes: int = Field(
+        MAX_MESSAGE_BYTES, ge=1024, description="largest entry read (bigger ones are dead-lettered) or "
+        "written (a bigger result is reported as an infra_error instead)")
     metrics_addr: str = "127.0.0.1:9401"
 
     @model_validator(mode="after")
@@ -143,11 +167,17 @@ class ConsumerConfig(_Model):
 M = TypeVar("M", bound=BaseModel)
 
 
+def _name(part: str | int) -> str:
+    """One step of a field's path: a field name or list index as it is, any other key quoted
+    (an unknown key `''` or `'a.b'` must not read as a path)."""
+    return str(part) if isinstance(part, int) or part.isidentifier() else repr(part)
+
+
 def describe(exc: ValidationError) -> str:
     """One line per offending field: `a.b: reason`."""
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(config)"
+        where = ".".join(_name(p) for p in err["loc"]) or "(config)"
         lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
     return "; ".join(lines)
 
@@ -160,6 +190,17 @@ def build(model: type[M], data: Any) -> M:
         raise ConfigError(f"invalid {model.__name__}: {describe(exc)}") from None
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, reading `1e-06` and `1E+3` as floats as YAML 1.2 does (PyYAML's
+    YAML 1.1 resolver wants a dot, so `lr: 1e-06`, as Helm's toYaml writes it, was a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def load(model: type[M], path: str | os.PathLike[str]) -> M:
     """Read a YAML or JSON file into `model`."""
     p = Path(path)
@@ -170,8 +211,8 @@ def load(model: type[M], path: str | os.PathLike[str]) -> M:
     except UnicodeDecodeError:
         raise ConfigError(f"config {p} is not UTF-8 text") from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
+        data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+    except Exception as exc:  # noqa: BLE001 (PyYAML's constructors raise many kinds: `!!int x`, `!!bool x`, ...)
         raise ConfigError(f"config {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
     if data is None:
         data = {}

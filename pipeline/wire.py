@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from pipeline.chains import (
-    NO_VERSION, VERSION_DTYPE, Chain, chains_from_arrays, chains_to_arrays, merge_calls, uniform_support)
+    NO_VERSION, VERSION_DTYPE, Chain, chains_to_arrays, merge_calls, uniform_support)
 from pipeline.packing import Rollout
 from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task
 
@@ -173,6 +173,8 @@ def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray
         shape = (len(v) // dtype.itemsize,)
     elif len(v) != math.prod(shape) * dtype.itemsize:
         raise SchemaError(path, f"{len(v)} bytes for shape {list(shape)} of {dtype.str}")
+    elif math.prod(d for d in shape if d) * dtype.itemsize > MAX_MESSAGE_BYTES:  # an empty array's other sides
+        raise SchemaError(path, f"shape {list(shape)} of {dtype.str} is too large")
     return np.frombuffer(v, dtype).reshape(shape).copy()
 
 
@@ -197,57 +199,90 @@ _CHAIN_DTYPES = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tok
 
 
 def _chains(v: Any, path: str) -> tuple[Chain, ...]:
-    """Chains from their wire arrays (above), every length and value checked."""
+    """Chains from their wire arrays (above), every length and value checked.
+
+    The per-chain arrays (a handful of entries) are checked as Python lists, the per-token
+    ones with one numpy reduction per check: a result decodes in a few dozen numpy calls
+    whatever its chain count (the admission consumer decodes every result once, on input)."""
     d = _struct(v, path, (*_CHAIN_DTYPES, "support"))
-    a = {name: _shaped(d[name], f"{path}.{name}", dtype) for name, dtype in _CHAIN_DTYPES.items()}
-    lengths, n = a["lengths"], len(a["lengths"])
-    for name in ("calls", "call_tokens"):
-        if len(a[name]) != n:
-            raise SchemaError(f"{path}.{name}", f"{len(a[name])} entries for {n} chains")
-    if n and lengths.min() < 0:
-        raise SchemaError(f"{path}.lengths", f"must be >= 0, got {lengths.min()}")
-    if n and a["calls"].min() < 1:
-        raise SchemaError(f"{path}.calls", f"must be >= 1, got {a['calls'].min()}")
-    if (a["call_tokens"] < lengths).any():
+    a = {name: _flat(d[name], f"{path}.{name}", dtype) for name, dtype in _CHAIN_DTYPES.items()}
+    lengths, calls, call_tokens = (a[name].tolist() for name in ("lengths", "calls", "call_tokens"))
+    n = len(lengths)
+    for name, values in (("calls", calls), ("call_tokens", call_tokens)):
+        if len(values) != n:
+            raise SchemaError(f"{path}.{name}", f"{len(values)} entries for {n} chains")
+    if n and min(lengths) < 0:
+        raise SchemaError(f"{path}.lengths", f"must be >= 0, got {min(lengths)}")
+    if n and min(calls) < 1:
+        raise SchemaError(f"{path}.calls", f"must be >= 1, got {min(calls)}")
+    if any(t < length for t, length in zip(call_tokens, lengths)):
         raise SchemaError(f"{path}.call_tokens", "must be >= the chain's length")
-    total = int(lengths.sum(dtype=np.int64))
-    if len(a["tokens"]) != total:
-        raise SchemaError(f"{path}.tokens", f"{len(a['tokens'])} entries, the lengths sum to {total}")
-    _ids(a["tokens"], f"{path}.tokens")
+    total = sum(lengths)
+    tokens = a["tokens"]
+    if len(tokens) != total:
+        raise SchemaError(f"{path}.tokens", f"{len(tokens)} entries, the lengths sum to {total}")
+    _ids(tokens, f"{path}.tokens")
     bits = a["loss_mask"]
     if len(bits) != (total + 7) // 8:
         raise SchemaError(f"{path}.loss_mask", f"{len(bits)} bytes for {total} bits")
-    loss = np.unpackbits(bits, bitorder="little").astype(bool)
-    if loss[total:].any():
+    if total % 8 and int(bits[-1]) >> (total % 8):
         raise SchemaError(f"{path}.loss_mask", "the padding bits of the last byte must be 0")
-    loss = loss[:total]
-    n_loss = int(loss.sum())
-    logprobs, versions, runs = a["logprobs"], a["versions"], a["version_runs"]
+    loss = np.unpackbits(bits, count=total, bitorder="little").view(bool)
+    n_loss = int(np.count_nonzero(loss))
+    logprobs, versions, runs = a["logprobs"], a["versions"].tolist(), a["version_runs"].tolist()
     if len(logprobs) != n_loss:
         raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} entries for {n_loss} loss tokens")
-    if not np.isfinite(logprobs).all() or (n_loss and logprobs.max() > LOGPROB_EPSILON):
+    # max is NaN when any is NaN, and min catches -inf
+    if n_loss and not (logprobs.max() <= LOGPROB_EPSILON and logprobs.min() > -np.inf):
         raise SchemaError(f"{path}.logprobs", "must be finite and <= 0")
     if len(runs) != len(versions):
         raise SchemaError(f"{path}.version_runs", f"{len(runs)} runs for {len(versions)} versions")
-    if versions.size and versions.min() < 0:
-        raise SchemaError(f"{path}.versions", f"must be >= 0, got {versions.min()}")
-    if runs.size and runs.min() < 1:
-        raise SchemaError(f"{path}.version_runs", f"must be >= 1, got {runs.min()}")
-    if int(runs.sum(dtype=np.int64)) != n_loss:
-        raise SchemaError(f"{path}.version_runs", f"the runs cover {runs.sum(dtype=np.int64)} tokens, "
+    if versions and min(versions) < 0:
+        raise SchemaError(f"{path}.versions", f"must be >= 0, got {min(versions)}")
+    if runs and min(runs) < 1:
+        raise SchemaError(f"{path}.version_runs", f"must be >= 1, got {min(runs)}")
+    if sum(runs) != n_loss:
+        raise SchemaError(f"{path}.version_runs", f"the runs cover {sum(runs)} tokens, "
                           f"not the {n_loss} loss tokens")
     where = f"{path}.support"
     support = None if d["support"] is None else _ids(_array(d["support"], where, TOKEN_DTYPE), where, -1)
     if support is not None and (support.ndim != 2 or support.shape[0] != n_loss):
         raise SchemaError(f"{where}.shape", f"must be [{n_loss}, k] (a row per loss token), got "
                           f"{list(support.shape)}")
-    full = {"logprobs": np.zeros(total, LOGPROB_DTYPE), "versions": np.full(total, NO_VERSION, VERSION_DTYPE)}
+    full_logprobs = np.zeros(total, LOGPROB_DTYPE)
+    full_logprobs[loss] = logprobs
+    if len(versions) == 1:  # one version served every loss token (a single call, usually)
+        full_versions = np.where(loss, np.int32(versions[0]), np.int32(NO_VERSION)).astype(VERSION_DTYPE)
+    else:
+        full_versions = np.full(total, NO_VERSION, VERSION_DTYPE)
+        full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
+    full_support = None
     if support is not None:
-        full["support"] = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
-        full["support"][loss] = support
-    full["logprobs"][loss] = logprobs
-    full["versions"][loss] = np.repeat(versions, runs)
-    return tuple(chains_from_arrays({**a, "loss_mask": loss, **full}))
+        if total * support.shape[1] > MAX_MESSAGE_BYTES:  # expanded to every token, not only the loss ones
+            raise SchemaError(f"{where}.shape", f"[{total}, {support.shape[1]}] once expanded to every "
+                              f"token is more than {MAX_MESSAGE_BYTES} entries")
+        full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
+        full_support[loss] = support
+    tokens = tokens.copy()  # not a view of the message's bytes
+    out = []
+    start = 0
+    for i, length in enumerate(lengths):
+        end = start + length
+        out.append(Chain(tokens[start:end], loss[start:end], full_logprobs[start:end],
+                         full_versions[start:end],
+                         None if full_support is None else full_support[start:end],
+                         calls[i], call_tokens[i]))
+        start = end
+    return tuple(out)
+
+
+def _flat(v: Any, path: str, dtype: np.dtype) -> np.ndarray:
+    """Packed little-endian bytes `v` as a one-dimensional read-only view (no copy)."""
+    if not isinstance(v, bytes):
+        raise SchemaError(path, f"expected bytes (msgpack bin), got {_tn(v)}")
+    if len(v) % dtype.itemsize:
+        raise SchemaError(path, f"{len(v)} bytes is not a multiple of {dtype.itemsize} ({dtype.str})")
+    return np.frombuffer(v, dtype)
 
 
 def _chains_wire(chains: Any) -> Any:
@@ -314,6 +349,8 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True  # a NaN in free-form data (a record) round-trips as NaN
     return bool(a == b)
 
 
@@ -496,9 +533,15 @@ def _wire(v: Any, depth: int = 0) -> Any:
         raise SchemaError("message", "nested too deeply")
     if isinstance(v, Message):
         out = {"v": SCHEMA_VERSION, "k": v.KIND}
-        for f in dataclasses.fields(v):
-            value = getattr(v, f.name)
-            out[f.name] = v.WIRE[f.name](value) if f.name in v.WIRE else _wire(value, depth + 1)
+        special = v.WIRE
+        for name in v.SPEC:  # the fields, in order
+            value = getattr(v, name)
+            if name in special:
+                out[name] = special[name](value)
+            elif value is None or type(value) in _SCALARS:
+                out[name] = value
+            else:
+                out[name] = _wire(value, depth + 1)
         return out
     if isinstance(v, Status):
         return v.value
@@ -516,6 +559,10 @@ def _wire(v: Any, depth: int = 0) -> Any:
     if isinstance(v, np.generic):
         return v.item()
     return v
+
+
+_SCALARS = frozenset({int, float, str, bytes, bool})  # wire values as they are
+_TRUSTED = (Work, Cancel)
 
 
 def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
@@ -543,12 +590,21 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
     return cls(**values)
 
 
-def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
-    """The msgpack bytes of `msg`, after the checks `decode` will make (SchemaError if not)."""
+def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = False) -> bytes:
+    """The msgpack bytes of `msg`, after the checks `decode` will make (SchemaError if not).
+
+    `trusted=True` skips those checks (not the size limit): only for a `Work` or `Cancel`
+    that a process builds from values it decoded and checked itself (the admission consumer's
+    submissions and cancels, whose task came from a checked `Registration` and whose numbers
+    come from the scheduler). Input from other processes is always decoded strictly."""
     if not isinstance(msg, Message):
         raise TypeError(f"not a message: {_tn(msg)}")
+    if trusted and not isinstance(msg, _TRUSTED):
+        raise TypeError(f"only {', '.join(t.KIND for t in _TRUSTED)} may be encoded unchecked, "
+                        f"not {msg.KIND}")
     wire = _wire(msg)
-    _parse(wire)
+    if not trusted:
+        _parse(wire)
     try:
         data = msgpack.packb(wire, use_bin_type=True)
     except Exception as exc:  # noqa: BLE001 (a str that is not UTF-8, and the like)
@@ -574,9 +630,9 @@ def decode(data: bytes, expect: type | tuple[type, ...] | None = None, *,
     return _parse(obj, expect)
 
 
-def to_fields(msg: Message) -> dict[bytes, bytes]:
-    """The fields of the stream entry carrying `msg`."""
-    return {FIELD: encode(msg)}
+def to_fields(msg: Message, *, trusted: bool = False, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[bytes, bytes]:
+    """The fields of the stream entry carrying `msg` (`trusted`: see `encode`)."""
+    return {FIELD: encode(msg, trusted=trusted, max_bytes=max_bytes)}
 
 
 def from_fields(fields: Mapping, expect: type | tuple[type, ...] | None = None, *,
@@ -605,3 +661,42 @@ def dead_letter_fields(stream: str, entry_id: bytes | str, reason: str, raw: Map
     return {b"stream": _b(stream), b"id": _b(entry_id), b"reason": _b(reason)[:DEAD_LETTER_BYTES],
             b"fields": b",".join(_b(k) for k in raw)[:1024], b"size": str(len(m)).encode(),
             b"m": m[:DEAD_LETTER_BYTES]}
+
+
+def check_result(result: Result, *, vocab: int | None = None, width: int | None = None) -> None:
+    """Refuse, with a SchemaError naming the field, a result that decodes but cannot train in
+    this run: a token id at or past `vocab` (the model's vocabulary size), a chain longer than
+    `width` (a packed row; packing could never place its group), or a negative duration
+    (`timings.finished` before `timings.started`)."""
+    for i, chain in enumerate(result.chains):
+        if width is not None and len(chain) > width:
+            raise SchemaError("chains.lengths", f"chain {i} has {len(chain)} tokens, more than width {width}")
+        if vocab is None:
+            continue
+        if len(chain) and int(chain.tokens.max()) >= vocab:
+            raise SchemaError("chains.tokens", f"token id {int(chain.tokens.max())} is beyond the "
+                              f"vocabulary of {vocab}")
+        if chain.support is not None and chain.support.size and int(chain.support.max()) >= vocab:
+            raise SchemaError("chains.support", f"token id {int(chain.support.max())} is beyond the "
+                              f"vocabulary of {vocab}")
+    started, finished = result.timings.get("started"), result.timings.get("finished")
+    if started is not None and finished is not None and finished < started:
+        raise SchemaError("timings.finished", f"{finished} is before timings.started {started}: "
+                          "a negative duration")
+
+
+def named_attempt(fields: Mapping) -> tuple[int, int, int, int, int] | None:
+    """`(shard, epoch, group, sample, attempt)` that an entry which failed to decode or to
+    check still names (non-negative ints), or None: so that its attempt can be finished as
+    an error instead of waiting for a result that will never come."""
+    data = fields.get(FIELD, fields.get("m")) if isinstance(fields, Mapping) else None
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return None
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False, max_ext_len=0)
+    except Exception:  # noqa: BLE001 (msgpack raises many kinds; this only looks)
+        return None
+    names = ("shard", "epoch", "group", "sample", "attempt")
+    if not isinstance(d, dict) or not all(type(d.get(n)) is int and 0 <= d[n] < _INT64 for n in names):
+        return None
+    return tuple(d[n] for n in names)

@@ -5,7 +5,9 @@ and the pipeline runs over `rediss://` with the test's own CA."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,8 +122,10 @@ def tls_missing() -> str | None:
     return None
 
 
-@pytest.mark.timeout(60)
-def test_the_pipeline_runs_over_tls_with_the_configured_ca(tmp_path):
+@contextlib.contextmanager
+def tls_server(tmp_path: Path) -> Iterator[tuple[RedisServer, dict[str, Path]]]:
+    """A redis-server that speaks only TLS, with a certificate of the test's own CA; yields
+    it and the certificate files (skips where TLS cannot run here)."""
     reason = tls_missing()
     if reason is not None:
         pytest.skip(reason)
@@ -129,6 +133,12 @@ def test_the_pipeline_runs_over_tls_with_the_configured_ca(tmp_path):
     with RedisServer(tmp_path / "redis", "--tls-cert-file", str(certs["server.crt"]),
                      "--tls-key-file", str(certs["server.key"]), "--tls-ca-cert-file", str(certs["ca.crt"]),
                      "--tls-auth-clients", "no", tls=True) as server:
+        yield server, certs
+
+
+@pytest.mark.timeout(60)
+def test_the_pipeline_runs_over_tls_with_the_configured_ca(tmp_path):
+    with tls_server(tmp_path) as (server, certs):
         config = RedisConfig(url=server.url, namespace="tls", password_env=None,
                              tls_ca_file=str(certs["ca.crt"]), socket_timeout_s=5)
         assert config.url.startswith("rediss://")

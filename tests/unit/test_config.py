@@ -104,7 +104,13 @@ def test_nested_fields_are_dotted():
 @pytest.mark.parametrize("url", ["http://localhost:6379", "localhost:6379", "", "redis:/x"])
 def test_redis_url_scheme(url):
     refused(RedisConfig, {"url": url}, "url must start with redis://")
-    refused(AdmissionConfig, {"redis": {"url": url}}, "redis: ", "url must start")
+    refused(AdmissionConfig, {"redis": {"url": url}}, "redis.url: ", "url must start")
+
+
+@pytest.mark.parametrize("url", ["redis://:s3cret@h:1/0", "rediss://user:s3cret@h:6380/2", "http://u:s3cret@h"])
+def test_a_password_in_the_url_is_refused_without_showing_it(url):
+    message = refused(AdmissionConfig, {"redis": {"url": url}}, "redis.url: ")
+    assert "s3cret" not in message
 
 
 @pytest.mark.parametrize("url", ["redis://h:1/0", "rediss://user@h:6380/2", "unix:///tmp/redis.sock"])

@@ -112,4 +112,5 @@ def test_acl_rules_confine_a_user_to_the_run_s_keys():
     rules = acl_rules(Keys("exp1")).split()
     assert rules[:4] == ["resetkeys", "~rs:{exp1}:*", "resetchannels", "-@all"]
     assert {"+xreadgroup", "+multi", "+exec", "+xgroup|create"} <= set(rules)
-    assert where(RedisConfig(url="redis://u:pw@h:1/0")) == "redis://u:***@h:1/0"
+    # a config refuses a password in its URL; where() still hides one
+    assert where(RedisConfig.model_construct(url="redis://u:pw@h:1/0")) == "redis://u:***@h:1/0"

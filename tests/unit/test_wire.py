@@ -625,24 +625,25 @@ arrays = st.dictionaries(
     ),
     max_size=3,
 )
-messages = st.one_of(
-    st.builds(Open, u, u),
-    st.builds(Registration, u, u, u, st.lists(tasks, max_size=3).map(tuple)),
-    st.builds(Handover, u, u, u, u, st.none() | u),
-    st.builds(Work, *sample_key, tasks, u, st.none() | nonneg, st.none() | st.sampled_from(wire.CAUSES)),
-    st.builds(Cancel, *sample_key, st.text(min_size=1, max_size=8)),
-    st.builds(
+MESSAGES = {  # a strategy per message kind
+    Open: st.builds(Open, u, u),
+    Registration: st.builds(Registration, u, u, u, st.lists(tasks, max_size=3).map(tuple)),
+    Handover: st.builds(Handover, u, u, u, u, st.none() | u),
+    Work: st.builds(Work, *sample_key, tasks, u, st.none() | nonneg, st.none() | st.sampled_from(wire.CAUSES)),
+    Cancel: st.builds(Cancel, *sample_key, st.text(min_size=1, max_size=8)),
+    Result: st.builds(
         Result, *sample_key, st.text(min_size=1, max_size=8), st.sampled_from(Status), st.none() | finite,
         st.dictionaries(names, finite, max_size=3), st.lists(calls(), max_size=3).map(lambda cs: chains(*cs)),
         st.none() | st.text(max_size=8), st.dictionaries(names, nonneg, max_size=3), st.none() | st.text(max_size=30),
     ),
-    st.builds(Weights, u, st.text(min_size=1, max_size=8), st.text(max_size=8), u),
-    st.builds(Ready, small, small, small, small, arrays, st.dictionaries(names, native, max_size=3)),
-    st.builds(
+    Weights: st.builds(Weights, u, st.text(min_size=1, max_size=8), st.text(max_size=8), u),
+    Ready: st.builds(Ready, small, small, small, small, arrays, st.dictionaries(names, native, max_size=3)),
+    Record: st.builds(
         Record, *[small] * 7, st.dictionaries(names, small, max_size=3), small, small, small, nonneg,
         st.dictionaries(names, finite, max_size=3),
     ),
-)
+}
+messages = st.one_of(*MESSAGES.values())
 msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
     | st.binary(max_size=12),

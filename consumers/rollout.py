@@ -16,7 +16,9 @@ consumer refreshes `Keys.consumer_heartbeat(name)`, a key that expires after thr
 Results: each session's result is appended to `results:{shard}` and its work entry
 acknowledged in ONE transaction, so a result is never lost and a work entry never
 acknowledged without one. A source that raises produces an INFRA_ERROR result whose `error`
-is the traceback (the scheduler then fails the step with it: a broken source). A source
+is the traceback (the scheduler then fails the step with it: a broken source), except for
+a Redis connection or timeout error (a source loading weights from Redis during an outage):
+that fails the attempt as an INFRA_ERROR without `error`, and it is resubmitted. A source
 that returns invalid data (a Session that does not encode, e.g. a positive log-prob)
 produces an INFRA_ERROR result without `error` plus a dead letter describing the data: bad
 data fails the attempt, which is resubmitted, but does not break the run.
@@ -265,12 +267,9 @@ class RolloutConsumer:
         poison = self.r.pipeline(transaction=True)
         for entry_id, fields in items:
             try:
-                work = wire.from_fields(fields, wire.Work)
+                work = wire.from_fields(fields, wire.Work, max_bytes=self.config.max_message_bytes)
             except wire.SchemaError as exc:
-                self.stats["dead_letters"] += 1
-                log.warning("consumer %s: dead-lettered work %s: %s", self.name, text(entry_id), exc)
-                poison.xadd(self.keys.dead, wire.dead_letter_fields(self.keys.work, entry_id, str(exc), fields))
-                poison.xack(self.keys.work, WORK_GROUP, entry_id)
+                self._dead_letter_work(poison, entry_id, fields, exc)
                 continue
             owned.append(self._own(entry_id, work))  # before the check: a later Cancel finds it
         try:
@@ -286,6 +285,24 @@ class RolloutConsumer:
         for o in owned:
             if o not in skipped:
                 self._spawn(self._session, o, name=f"{o.work.group}.{o.work.sample}.{o.work.attempt}")
+
+    def _dead_letter_work(self, pipe: redis.client.Pipeline, entry_id: bytes, fields: dict,
+                          exc: wire.SchemaError) -> None:
+        """Stage the dead letter and acknowledgement of a work entry that does not decode,
+        and, if it still names its attempt, an INFRA_ERROR result for it: the scheduler
+        resubmits the sample (and abandons its group after `max_attempts`) instead of
+        waiting for a result that would never come."""
+        self.stats["dead_letters"] += 1
+        log.warning("consumer %s: dead-lettered work %s: %s", self.name, text(entry_id), exc)
+        pipe.xadd(self.keys.dead, wire.dead_letter_fields(self.keys.work, entry_id, str(exc), fields))
+        named = wire.named_attempt(fields)
+        if named is not None:
+            self.stats["salvaged"] += 1
+            failed = wire.Result(*named, self.name, Status.INFRA_ERROR)
+            pipe.xadd(self.keys.results(named[0]), wire.to_fields(failed))
+        pipe.xack(self.keys.work, WORK_GROUP, entry_id)
+        if self.metrics is not None:
+            self.metrics.dead_letter("work", exc.field)
 
     def _own(self, entry_id: bytes, work: wire.Work) -> _Owned:
         o = _Owned(entry_id, work)
@@ -360,6 +377,11 @@ class RolloutConsumer:
             if not isinstance(session, Session):
                 raise TypeError(f"the source returned {type(session).__name__}, not a Session")
             error = None
+        except RETRYABLE as exc:  # its own Redis (the weights) unreachable: an outage, not a bug
+            log.warning("consumer %s: the source lost Redis on %s (%s: %s); the attempt fails as "
+                        "infra_error", self.name, _member(o.work), type(exc).__name__, exc)
+            self.stats["source_outages"] += 1
+            error, session = None, Session(Status.INFRA_ERROR)
         except Exception:  # a broken source: the step fails with its traceback
             error = traceback.format_exc()
             log.error("consumer %s: the source raised on %s:\n%s", self.name, _member(o.work), error)
@@ -441,7 +463,8 @@ class RolloutConsumer:
         try:
             result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,
                                               session, self.name, error)
-            return wire.to_fields(result), None
+            wire.check_result(result, vocab=self.config.vocab)
+            return wire.to_fields(result, max_bytes=self.config.max_message_bytes), None
         except ValueError as exc:  # SchemaError, or calls a source changed after making them
             reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"
             log.warning("consumer %s: %s", self.name, reason)

@@ -89,6 +89,14 @@ def _consumer(args: argparse.Namespace) -> int:
     return rollout.main(config)
 
 
+def _trainer(args: argparse.Namespace) -> int:
+    from trainer import main as trainer_main
+    from trainer.config import RunConfig
+
+    config = _override(load(RunConfig, args.config), RunConfig, steps=args.steps)
+    return trainer_main.main(config)
+
+
 def _status(args: argparse.Namespace) -> int:
     from pipeline import status
     from pipeline.keys import Keys
@@ -101,6 +109,18 @@ def _status(args: argparse.Namespace) -> int:
     config = build(RedisConfig, raw)
     return status.main(connect(config), Keys(config.namespace), config.url,
                        shards=args.shards, as_json=args.json)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from consumers import engine
+
+    return engine.main(args)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from consumers import gateway
+
+    return gateway.main(args)
 
 
 def load_redis_section(path: str) -> dict:
@@ -124,6 +144,11 @@ def parser() -> argparse.ArgumentParser:
         help="the main job: embedded Redis, the pipeline and a one-rank DeepSpeed trainer "
              "learning a toy task (rollstream demo --help for its options)")
     demo.set_defaults(run=None)  # main() hands `rollstream demo ...` to trainer.demo
+    chaos = sub.add_parser(
+        "chaos", add_help=False,
+        help="a real multi-process run under faults (kills, a Redis restart, a trainer resume), "
+             "then an audit of trained tasks (rollstream chaos --help)")
+    chaos.set_defaults(run=None)  # main() hands `rollstream chaos ...` to trainer.chaos
 
     sim = sub.add_parser("simulate", help="the scheduling core over a simulated heavy-tailed workload")
     sim.add_argument("--steps", type=int, default=20)
@@ -149,6 +174,11 @@ def parser() -> argparse.ArgumentParser:
     con.add_argument("--slots", type=int, help="concurrent sessions (overrides the config)")
     con.set_defaults(run=_consumer)
 
+    tr = sub.add_parser("trainer", help="run one trainer process (a DeepSpeed rank; under torchrun for several)")
+    tr.add_argument("--config", required=True, help="RunConfig YAML or JSON (trainer/config.py)")
+    tr.add_argument("--steps", type=int, help="override the config's steps")
+    tr.set_defaults(run=_trainer)
+
     st = sub.add_parser("status", help="streams, groups, pending work and versions of a run")
     st.add_argument("--config", help="any process's config file (its redis section is used)")
     st.add_argument("--url", default="redis://127.0.0.1:6379/0")
@@ -156,6 +186,30 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--shards", type=int, default=1)
     st.add_argument("--json", action="store_true")
     st.set_defaults(run=_status)
+
+    eng = sub.add_parser("engine", help="a small OpenAI-compatible inference server on CPU (token ids, "
+                                        "log-probs, weight versions) for harnesses and tests")
+    eng.add_argument("--model", default="tiny",
+                     help="tiny | a trainer ModelConfig YAML/JSON | a Hugging Face directory (config.json)")
+    eng.add_argument("--host", default="127.0.0.1")
+    eng.add_argument("--port", type=int, default=8001)
+    eng.add_argument("--max-tokens", type=int, default=16, help="a request's max_tokens when it gives none")
+    eng.add_argument("--weights-redis", help="load each version announced on this Redis's weights stream")
+    eng.add_argument("--namespace", default="default", help="the run's namespace (with --weights-redis)")
+    eng.add_argument("--weights-dir", help="load the newest v<N>.safetensors a DirectoryPublisher writes here")
+    eng.add_argument("--threads", type=int, help="torch CPU threads")
+    eng.set_defaults(run=_engine)
+
+    gw = sub.add_parser("gateway", help="the recording gateway: per-session OpenAI base URLs in front "
+                                        "of the engines, recording every call")
+    gw.add_argument("--engine", action="append", required=True, help="an engine's base URL (repeat for several)")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument("--timeout-s", type=float, default=600.0, help="per forwarded call")
+    gw.add_argument("--health-interval-s", type=float, default=2.0, help="how often a down engine is probed")
+    gw.add_argument("--session-ttl-s", type=float, default=3600.0, help="idle sessions are dropped after this")
+    gw.add_argument("--temperature", type=float, help="force this sampling temperature (the trainer's) on every call")
+    gw.set_defaults(run=_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -184,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer import demo
 
         return demo.main(argv[1:])
+    if argv[:1] == ["chaos"]:  # so does the chaos run (rollstream chaos --help)
+        from trainer import chaos
+
+        return chaos.main(argv[1:])
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -199,6 +199,57 @@ def retry(fn: Callable[[], T], *, what: str, attempts: int = 6, base_s: float = 
     raise AssertionError("unreachable")
 
 
+def ride_out(fn: Callable[[], T], *, what: str, total_s: float,
+             sleep: Callable[[float], None] = time.sleep) -> T:
+    """`fn()`, retried through an `Outage` of up to `total_s` seconds (connection and timeout
+    errors only; then `RedisUnavailable`). Only for idempotent operations."""
+    outage = Outage(what, total_s)
+    while True:
+        try:
+            result = fn()
+        except FATAL:
+            raise
+        except RETRYABLE as exc:
+            sleep(outage.failed(exc))
+            continue
+        outage.ended()
+        return result
+
+
+def _as_bytes(value: bytes | str | int | float) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def append_once(r: redis.Redis, stream: str, fields: dict, *, what: str, total_s: float,
+                sleep: Callable[[float], None] = time.sleep) -> bytes:
+    """XADD `fields` to `stream` exactly once, riding out an outage of up to `total_s`.
+
+    A connection error can leave it unknown whether the entry was appended (the reply was
+    lost). Before appending again, the stream's newest entry is compared with `fields`: equal,
+    it was appended. This is exact for a stream with a single writer whose consecutive
+    entries differ (a shard's task stream, written by its trainer; the weights stream,
+    written by rank 0)."""
+    want = {_as_bytes(k): _as_bytes(v) for k, v in fields.items()}
+    outage = Outage(what, total_s)
+    unsure = False
+    while True:
+        try:
+            if unsure:
+                for entry_id, last in r.xrevrange(stream, count=1):
+                    if {_as_bytes(k): _as_bytes(v) for k, v in last.items()} == want:
+                        outage.ended()
+                        return entry_id
+            entry_id = r.xadd(stream, fields)
+        except FATAL:
+            raise
+        except RETRYABLE as exc:
+            unsure = True
+            sleep(outage.failed(exc))
+            continue
+        outage.ended()
+        return entry_id
+
+
 # ---------------------------------------------------------------------------- stream ids
 
 

@@ -10,8 +10,12 @@ handover, a batch that cannot be packed) raises `StepFailed` with the admission 
 error. `announce_weights` appends a published weight version to the shared `weights`
 stream (rank 0 does, after the pool agreed on the push).
 
-Appends are not retried: a retried XADD whose reply was lost would repeat it. A connection
-error propagates, and the trainer resumes from its checkpoint in a new epoch.
+A Redis outage (a restart, a dropped connection) is ridden out for up to `reconnect_s`
+seconds: reads are retried (the trainer's pending ready entry is read again), and an append
+whose reply was lost is checked against the stream's newest entry before it is sent again
+(`redis_io.append_once`: this writer is its streams' only writer), so nothing is appended
+twice. Past `reconnect_s`, `RedisUnavailable` propagates and the trainer resumes from its
+checkpoint in a new epoch.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import redis
 
 from pipeline import wire
 from pipeline.keys import TRAINER_GROUP, Keys
-from pipeline.redis_io import ensure_group, text
+from pipeline.redis_io import append_once, ensure_group, ride_out, text
 from pipeline.sessions import Task
 
 log = logging.getLogger(__name__)
@@ -43,12 +47,19 @@ class StepFailed(RuntimeError):
 class TaskWriter:
     """The trainer side of one shard's streams (see the module docstring)."""
 
-    def __init__(self, redis: redis.Redis, keys: Keys, shard: int, *, name: str | None = None) -> None:
+    def __init__(self, redis: redis.Redis, keys: Keys, shard: int, *, name: str | None = None,
+                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES, reconnect_s: float = 300.0) -> None:
         self.r = redis
         self.keys = keys
         self.shard = shard
         self.name = name or f"trainer-{shard}"
-        ensure_group(self.r, keys.ready(shard), TRAINER_GROUP)
+        self.max_message_bytes = max_message_bytes  # an entry past it is refused (written) or dead-lettered (read)
+        self.reconnect_s = reconnect_s
+        self.ride(lambda: ensure_group(self.r, keys.ready(shard), TRAINER_GROUP), "creating the ready group")
+
+    def ride(self, fn, what: str):
+        """`fn()` (idempotent), through a Redis outage of up to `reconnect_s`."""
+        return ride_out(fn, what=f"trainer {self.shard}: {what}", total_s=self.reconnect_s)
 
     # ------------------------------------------------------------------ writes
 
@@ -63,10 +74,26 @@ class TaskWriter:
 
     def announce_weights(self, version: int, location: str, digest: str = "", size: int = 0) -> bytes:
         """Append weight `version` (served from `location`) to the shared weights stream."""
-        return self.r.xadd(self.keys.weights, wire.to_fields(wire.Weights(version, location, digest, size)))
+        return self._xadd(self.keys.weights, wire.Weights(version, location, digest, size))
+
+    def last_weights_version(self) -> int | None:
+        """The version of the newest entry of the weights stream (None: nothing announced)."""
+        for _, fields in self.ride(lambda: self.r.xrevrange(self.keys.weights, count=1), "reading weights"):
+            return wire.from_fields(fields, wire.Weights).version
+        return None
 
     def _append(self, msg: wire.Message) -> bytes:
-        return self.r.xadd(self.keys.tasks(self.shard), wire.to_fields(msg))
+        return self._xadd(self.keys.tasks(self.shard), msg)
+
+    def _xadd(self, stream: str, msg: wire.Message) -> bytes:
+        """Append `msg`; one that does not encode within `max_message_bytes` raises
+        SchemaError naming its kind, and nothing is written."""
+        try:
+            fields = wire.to_fields(msg, max_bytes=self.max_message_bytes)
+        except wire.SchemaError as exc:
+            raise wire.SchemaError(exc.field, f"{msg.KIND} refused, not written: {exc.reason}") from None
+        return append_once(self.r, stream, fields, what=f"trainer {self.shard}: appending {msg.KIND}",
+                           total_s=self.reconnect_s)
 
     # ------------------------------------------------------------------ reads
 
@@ -82,14 +109,14 @@ class TaskWriter:
                 raise TimeoutError(f"step {step} of epoch {epoch} not ready after {timeout_s}s")
             entry_id, fields = entry
             try:
-                ready = wire.from_fields(fields, wire.Ready)
+                ready = wire.from_fields(fields, wire.Ready, max_bytes=self.max_message_bytes)
             except wire.SchemaError as exc:
                 self._dead_letter(stream, entry_id, fields, str(exc))
                 continue
             if (ready.epoch, ready.step) > (epoch, step):
                 raise RuntimeError(f"ready for epoch {ready.epoch} step {ready.step} while "
                                    f"waiting for epoch {epoch} step {step}")
-            self.r.xack(stream, TRAINER_GROUP, entry_id)
+            self.ride(lambda: self.r.xack(stream, TRAINER_GROUP, entry_id), "acknowledging")
             if (ready.epoch, ready.step) < (epoch, step):
                 log.info("skipping ready of epoch %d step %d", ready.epoch, ready.step)
                 continue
@@ -106,12 +133,14 @@ class TaskWriter:
                     if left_ms <= 0:
                         return None
                     block = max(1, min(block, left_ms))
-                reply = self.r.xreadgroup(TRAINER_GROUP, self.name, {stream: start}, count=1, block=block)
+                reply = self.ride(lambda: self.r.xreadgroup(TRAINER_GROUP, self.name, {stream: start},
+                                                             count=1, block=block), "reading ready")
                 for _, items in reply or []:
                     for entry_id, fields in items:
                         if fields:
                             return entry_id, fields
-                        self.r.xack(stream, TRAINER_GROUP, entry_id)  # deleted while pending
+                        self.ride(lambda: self.r.xack(stream, TRAINER_GROUP, entry_id),  # noqa: B023
+                                   "acknowledging")  # deleted while pending
 
     def _dead_letter(self, stream: str, entry_id: bytes, fields: dict, reason: str) -> None:
         log.warning("dead-lettered %s %s: %s", stream, text(entry_id), reason)

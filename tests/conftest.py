@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +31,7 @@ import redis as redis_lib
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, build
 from pipeline.keys import Keys
 from pipeline.redis_io import connect, embedded
+from trainer.local import Process
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -104,43 +103,15 @@ def delete_namespace(client: redis_lib.Redis, keys: Keys) -> None:
 # ---------------------------------------------------------------------------- processes
 
 
-class Proc:
-    """A consumer subprocess; its output goes to `log`."""
+class Proc(Process):
+    """A consumer subprocess (`trainer.local.Process`); its output goes to `log`."""
 
     def __init__(self, args: list[str], log: Path) -> None:
-        self.args = args
-        self.log = log
-        self._out = open(log, "ab")  # noqa: SIM115 (held for the process lifetime, closed in terminate)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.popen = subprocess.Popen(args, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        """kill -9, and reap."""
-        if self.alive:
-            os.kill(self.pid, signal.SIGKILL)
-        self.popen.wait(timeout=10)
+        super().__init__(Path(log).stem, args, log)
 
     def terminate(self, timeout_s: float = 15.0) -> int:
         """SIGTERM; SIGKILL if it has not exited within `timeout_s`. Returns the exit code."""
-        if self.alive:
-            os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._out.close()
-        return self.popen.returncode
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.stop(timeout_s)
 
 
 class Procs:
@@ -210,17 +181,17 @@ class Threads:
     def admission(self, **kw: Any):
         from consumers.admission import Admission
 
-        options = {k: kw.pop(k) for k in ("snapshot_every", "control_retention_s") if k in kw}
+        options = {k: kw.pop(k) for k in ("snapshot_every", "control_retention_s", "metrics") if k in kw}
         config = build(AdmissionConfig, {"redis": self.redis_config.model_dump(mode="json"), **kw})
         return self._start(Admission(config, connect(self.redis_config), **options), "admission")
 
-    def consumer(self, source: Any, name: str | None = None, **kw: Any):
+    def consumer(self, source: Any, name: str | None = None, metrics: Any = None, **kw: Any):
         """Start a rollout consumer and wait until it polls for work (its heartbeat)."""
         from consumers.rollout import RolloutConsumer
 
         config = build(ConsumerConfig, {"redis": self.redis_config.model_dump(mode="json"), **kw})
         client = connect(self.redis_config)
-        consumer = self._start(RolloutConsumer(config, source, client, name=name), "consumer")
+        consumer = self._start(RolloutConsumer(config, source, client, name=name, metrics=metrics), "consumer")
         heartbeat = Keys(self.redis_config.namespace).consumer_heartbeat(consumer.name)
         deadline = time.monotonic() + 20
         while not client.exists(heartbeat):

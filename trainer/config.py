@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config import _Model
+from pipeline.config import RedisConfig, SchedulerConfig, _Model
 from trainer.model import TinyConfig
 
 
@@ -59,18 +59,26 @@ class ModelConfig(_Model):
     tiny: TinyModelConfig = TinyModelConfig()
     hf: dict[str, Any] | None = Field(
         None, description="transformers.AutoConfig.for_model(**hf), e.g. {model_type: gpt2, n_layer: 2}")
+    path: str | None = Field(
+        None, description="a local Hugging Face model directory (config and weights; nothing is downloaded)")
 
     @model_validator(mode="after")
     def _hf(self) -> ModelConfig:
-        if self.kind == "hf" and not (self.hf and "model_type" in self.hf):
-            raise ValueError("model.kind=hf needs model.hf with a model_type")
+        if self.kind == "hf" and not (self.path or (self.hf and "model_type" in self.hf)):
+            raise ValueError("model.kind=hf needs model.path, or model.hf with a model_type")
+        if self.path and self.hf:
+            raise ValueError("model.path and model.hf exclude each other")
+        if self.path and self.kind != "hf":
+            raise ValueError("model.path needs model.kind=hf")
         return self
 
     def build(self) -> Any:
-        """A `TinyConfig`, or a `transformers.PretrainedConfig` (what `PolicySource`'s
-        `model_config` and `consumers.sources.policy.build_model` take)."""
+        """A `TinyConfig`, a `transformers.PretrainedConfig`, or the local model directory
+        (what `PolicySource`'s `model_config` and `consumers.sources.policy.build_model` take)."""
         if self.kind == "tiny":
             return self.tiny.build()
+        if self.path:
+            return self.path
         from transformers import AutoConfig
 
         hf = dict(self.hf or {})
@@ -114,4 +122,85 @@ class TrainerConfig(_Model):
     def _backend(self) -> TrainerConfig:
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend=nccl needs device=cuda (or auto on a GPU machine)")
+        return self
+
+
+# ---------------------------------------------------------------------------- the trainer process
+
+
+class ObjectiveConfig(_Model):
+    """`trainer.objective.GRPOObjective`'s arguments."""
+
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float = Field(0.28, ge=0)
+    importance_cap: float | None = Field(None, gt=0)
+    cap_mode: Literal["clamp", "mask"] = "clamp"
+    temperature: float = Field(1.0, gt=0, description="the engines' sampling temperature")
+    micro_rows: int | None = Field(None, ge=1, description="rows per forward pass (None: all)")
+
+
+class DataConfig(_Model):
+    """The task stream: batches of `batch_size` consecutive task ids per batch share, with
+    each task's problem from the environment the rollout consumers run (same env_args)."""
+
+    env: str = Field("arithmetic", description="a name of consumers.sources.envs.ENVS")
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    batch_size: int = Field(16, ge=1, description="tasks per step per batch share")
+    first_task: int = Field(0, ge=0, description="id of the first task")
+
+    @model_validator(mode="after")
+    def _env(self) -> DataConfig:
+        from consumers.sources.envs import ENVS
+
+        if self.env not in ENVS:
+            raise ValueError(f"env {self.env!r} is not one of {sorted(ENVS)}")
+        return self
+
+
+class PublisherConfig(_Model):
+    """Where the weights go: Redis (chunked safetensors) or a shared directory."""
+
+    kind: Literal["redis", "directory"] = "redis"
+    path: str | None = Field(None, description="the directory (kind: directory)")
+    keep: int = Field(2, ge=1, description="versions kept; older ones expire")
+
+    @model_validator(mode="after")
+    def _path(self) -> PublisherConfig:
+        if self.kind == "directory" and not self.path:
+            raise ValueError("publisher.kind=directory needs publisher.path")
+        return self
+
+
+class CheckpointConfig(_Model):
+    """DeepSpeed checkpoints plus the data position and the scheduler's counters."""
+
+    dir: str | None = Field(None, description="checkpoint directory (None: no checkpoints)")
+    every: int = Field(0, ge=0, description="steps between checkpoints (0: only on stop and at the end)")
+    keep: int = Field(2, ge=1, description="checkpoints kept")
+    resume: Literal["auto", "never", "require"] = Field(
+        "auto", description="auto: resume from the latest checkpoint when there is one")
+
+
+class RunConfig(_Model):
+    """`rollstream trainer --config FILE`: one trainer process (one DeepSpeed rank)."""
+
+    redis: RedisConfig = RedisConfig()
+    metrics_addr: str = "127.0.0.1:9402"
+    trainer: TrainerConfig = TrainerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    data: DataConfig = DataConfig()
+    publisher: PublisherConfig = PublisherConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    steps: int = Field(100, ge=1, description="training steps in all (a resumed run counts from 0)")
+    share: int = Field(1, ge=1, description="ranks reading one batch share (first_reader_batch)")
+    step_timeout_s: float = Field(3600.0, gt=0)
+    record: str | None = Field(
+        None, description="JSON lines, one per step (StepRecord.row() and the trained tasks); "
+        "{rank} is replaced by the rank")
+
+    @model_validator(mode="after")
+    def _resume(self) -> RunConfig:
+        if self.checkpoint.resume == "require" and not self.checkpoint.dir:
+            raise ValueError("checkpoint.resume=require needs checkpoint.dir")
         return self

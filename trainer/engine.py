@@ -7,7 +7,7 @@
 distributed backend (nccl on GPU, gloo on CPU), and, when torch.distributed is not yet
 initialised, initialises it itself: from the launcher's environment (`RANK`, `WORLD_SIZE`,
 `MASTER_ADDR`, `MASTER_PORT`, as `deepspeed`/`torchrun` set them) or, with none, as a
-single rank (world size 1, a free local port), so DeepSpeed never falls back to MPI
+single rank (world size 1, an in-process store: no port), so DeepSpeed never falls back to MPI
 discovery. On a machine without CUDA it sets ``DS_ACCELERATOR=cpu`` before DeepSpeed is
 imported (DeepSpeed compiles a small shared-memory op with g++ on first use, ~40 s, then
 cached under ~/.cache/torch_extensions).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,23 +46,21 @@ def backend_of(config: TrainerConfig) -> str:
     return "nccl" if device_of(config).type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(backend: str) -> None:
     """Initialise torch.distributed once: from the launcher's environment, or one rank."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # one rank: an in-process store, no port (a free port picked, then bound, can be
+        # taken in between by another process binding port 0)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    dist.init_process_group(backend, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
+        os.environ.setdefault("MASTER_PORT", "0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        dist.init_process_group(backend, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     log.info("torch.distributed: %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
 
 

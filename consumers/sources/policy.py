@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -56,12 +57,19 @@ log = logging.getLogger(__name__)
 
 def build_model(config: Any) -> nn.Module:
     """A `TinyTransformer` for a `TinyConfig` (or a mapping of its fields); a Hugging Face
-    causal LM for a `transformers.PretrainedConfig` (initialised under a fixed torch seed)."""
+    causal LM for a `transformers.PretrainedConfig` (initialised under a fixed torch seed)
+    or for a local model directory (its weights; nothing is downloaded)."""
     if isinstance(config, Mapping):
         config = TinyConfig(**config)
     if isinstance(config, TinyConfig):
         return TinyTransformer(config).eval()
     from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(config, (str, os.PathLike)):
+        if not os.path.isdir(config):
+            raise ValueError(f"model path {config!r} is not a local model directory")
+        return AutoModelForCausalLM.from_pretrained(config, local_files_only=True,
+                                                    attn_implementation="sdpa").eval()
 
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"model_config must be a TinyConfig or a PretrainedConfig, got {type(config).__name__}")

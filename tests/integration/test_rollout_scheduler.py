@@ -1,7 +1,10 @@
 """The trainer's facade end to end: embedded Redis, in-process admission and rollout
 consumers, real packing; and a failing source failing the call."""
 
+from collections import Counter
+
 import pytest
+import redis
 
 from consumers.sources.scripted import ScriptedSource
 from consumers.sources.sleep import SleepSource
@@ -47,6 +50,32 @@ def test_a_source_that_raises_fails_the_call_with_its_traceback():
         sched(next(stream), None)
         with pytest.raises(StepFailed, match="environment exploded"):
             sched(next(stream), None)
+
+
+class LosesRedisOnce(SleepSource):
+    """Its first session raises what a weights fetch raises while Redis restarts."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.raised = 0
+
+    def run(self, request):
+        if not self.raised:
+            self.raised += 1
+            raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        return super().run(request)
+
+
+def test_a_source_that_loses_redis_fails_the_attempt_not_the_step():
+    records = []
+    source = LosesRedisOnce(median_s=0.002, seed=0)
+    with RolloutScheduler(None, source, Publisher(), width=64, rows=4, groups=2, ahead=0,
+                          max_lag=1, log=records.append) as sched:
+        for batch in sched.tasks(batches(2, size=2)):
+            sched(batch, None)
+    assert source.raised == 1
+    assert [r.groups for r in records] == [2, 2]
+    assert +Counter(records[0].resubmitted) == {"infra_error": 1}
 
 
 def test_a_filtered_sampling_source_without_support_capacity_is_refused():

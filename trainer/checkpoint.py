@@ -1,0 +1,82 @@
+"""Checkpoints: the DeepSpeed checkpoint plus the data position and the scheduler's counters.
+
+    position = checkpoint.load(engine, "/ckpt")         # None: nothing to resume from
+    ...
+    checkpoint.save(engine, "/ckpt", Position(step=120, updates=120, epoch=3), keep=2)
+
+A checkpoint is a DeepSpeed tag directory `step{NNNNNNNN}` (model, optimizer and ZeRO
+shards of every rank; `engine.save_checkpoint` is collective) whose client state holds a
+`Position` under `rollstream`: `step`, the steps trained, which is also the data position
+(the trainer's task stream is a pure function of the step: `trainer.main.batches`);
+`updates`, the trainer's version counter; `epoch`, the scheduler epoch it was taken in.
+The newest complete tag is named in `latest`, written by rank 0 after every rank saved
+(atomically: a temporary file renamed over it, so a process killed mid-checkpoint leaves
+the previous one named, never a torn name). A resumed run opens a new epoch (epochs
+only grow: `load` checks it), which cancels everything the old run left in flight, and
+re-registers the batches from `step` on, so the tasks the old run had in flight are
+resubmitted and none is trained twice in the resumed model's history.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "step"
+
+
+@dataclass(frozen=True)
+class Position:
+    step: int  # steps trained; the next step reads batch `step` of the task stream
+    updates: int  # the trainer's version counter (`RolloutScheduler.updates`)
+    epoch: int  # the scheduler epoch the checkpoint was taken in
+
+
+def tag(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def save(engine: Any, directory: str | Path, position: Position, *, keep: int = 2) -> str:
+    """Write a checkpoint (every rank calls this) and drop all but the newest `keep`."""
+    name = tag(position.step)
+    engine.save_checkpoint(str(directory), tag=name, client_state={"rollstream": asdict(position)},
+                           save_latest=False)
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        latest = Path(directory) / "latest"
+        partial = latest.with_name(f".latest.{os.getpid()}")
+        partial.write_text(name)
+        os.replace(partial, latest)
+        for old in sorted(Path(directory).glob(f"{_PREFIX}*"))[:-keep]:
+            if old.is_dir() and old.name != name:
+                shutil.rmtree(old)
+    if dist.is_initialized():
+        dist.barrier()  # no rank resumes from, or prunes, what another has not finished
+    log.info("checkpoint %s: %s", name, position)
+    return name
+
+
+def load(engine: Any, directory: str | Path) -> Position | None:
+    """Load the newest checkpoint into `engine` (model, optimizer); None when there is none."""
+    latest = Path(directory) / "latest"
+    if not latest.is_file():
+        return None
+    name = latest.read_text().strip()
+    path, state = engine.load_checkpoint(str(directory), tag=name)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint under {directory} despite its 'latest' file")
+    try:
+        position = Position(**(state or {})["rollstream"])
+    except (KeyError, TypeError) as exc:
+        raise RuntimeError(f"checkpoint {path} holds no rollstream position: {exc}") from exc
+    log.info("resumed from %s: %s", path, position)
+    return position

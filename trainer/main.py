@@ -1,0 +1,180 @@
+"""`rollstream trainer --config FILE`: one trainer process (one DeepSpeed rank) of a run.
+
+    rollstream trainer --config trainer.yaml                          # one rank
+    torchrun --nproc_per_node 2 -m pipeline.cli trainer --config trainer.yaml
+    deepspeed --num_gpus 8 --module pipeline.cli trainer --config trainer.yaml
+
+The file is a `trainer.config.RunConfig` (redis, metrics_addr, trainer, scheduler,
+objective, data, publisher, checkpoint, steps, share, step_timeout_s, record). The run's
+admission consumers (one per shard: `rollstream admission --shard N`, with the same
+`scheduler` section) and rollout consumers (`rollstream consumer`, whose source runs the
+same `data.env`) run as their own processes.
+
+Each process: builds its DeepSpeed engine (torch.distributed from the launcher's
+environment; `trainer.engine`); joins the `Pool` when the world has more than one rank
+(`shard = rank // share`; alone, the shard is `ROLLSTREAM_SHARD`, default 0); resumes from
+the newest checkpoint under `checkpoint.dir` when there is one (`trainer.checkpoint`: the
+model and optimizer, the data position, the version counter); then trains `steps` steps in
+all with `trainer.loop.train` over its task stream (`batches`: a pure function of the
+step, so the checkpointed step is the data position). It checkpoints every
+`checkpoint.every` steps, at the end, and when it is asked to stop: SIGTERM or SIGINT on
+any rank stops every rank after the step in progress (the stop is agreed in the pool),
+which checkpoints and exits 0. `/metrics`, `/healthz` and `/readyz` are served on
+`metrics_addr`. With `record` set, each step appends one JSON line: `StepRecord.row()`,
+plus `rank`, `shard`, `epoch`, `run` (this process's id), `pushed` (the weight version
+pushed before the step, or null), `publisher` (whether this rank publishes), `tasks` (the
+task ids of the groups its rows hold) and `cut_tasks` (admitted, but cut at packing), which
+is what an audit of trained tasks reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pipeline.keys import Keys
+from pipeline.metrics import Metrics, serving
+from pipeline.redis_io import connect
+from trainer import checkpoint
+from trainer.config import DataConfig, RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def batches(data: DataConfig, shard: int, shards: int, start: int = 0) -> Iterator[dict[str, list[int]]]:
+    """Batch `step` of batch share `shard` of `shards`, for step = start, start + 1, ...:
+    `data.batch_size` consecutive task ids, disjoint across shares and steps."""
+    step = start
+    while True:
+        first = data.first_task + (step * shards + shard) * data.batch_size
+        yield {"task_id": list(range(first, first + data.batch_size))}
+        step += 1
+
+
+def _publisher(config: RunConfig, r: Any, keys: Keys) -> Any:
+    from producers.publishers import DirectoryPublisher, RedisPublisher
+
+    if config.publisher.kind == "directory":
+        assert config.publisher.path is not None
+        return DirectoryPublisher(config.publisher.path, keep=config.publisher.keep)
+    return RedisPublisher(r, keys, keep=config.publisher.keep)
+
+
+def run(config: RunConfig, *, stop: threading.Event | None = None,
+        metrics: Metrics | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Train as the module docstring says; returns the steps trained in all (the data
+    position at exit)."""
+    from consumers.sources.envs import ENVS
+    from trainer.engine import build_engine
+    from trainer.loop import StepRecord, TimedPublisher, train
+    from trainer.objective import GRPOObjective
+    from trainer.pool import Pool
+    from trainer.rollout_scheduler import RolloutScheduler
+
+    stop = stop if stop is not None else threading.Event()
+    engine = build_engine(config.trainer)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pool = Pool(share=config.share, timeout_s=config.step_timeout_s + 600) if world > 1 else None
+    shard = pool.shard if pool is not None else int(os.environ.get("ROLLSTREAM_SHARD", "0"))
+    shards = pool.shards if pool is not None else 1
+    run_id = uuid.uuid4().hex[:12]
+
+    position = None
+    if config.checkpoint.dir and config.checkpoint.resume != "never":
+        position = checkpoint.load(engine, config.checkpoint.dir)
+    if position is None and config.checkpoint.resume == "require":
+        raise RuntimeError(f"checkpoint.resume=require: no checkpoint under {config.checkpoint.dir}")
+    start = position.step if position is not None else 0
+    if start >= config.steps:
+        log.warning("the checkpoint is at step %d of %d: nothing left to train", start, config.steps)
+        return start
+
+    env = ENVS[config.data.env](**config.data.env_args)
+    objective = GRPOObjective(**config.objective.model_dump())
+    with ExitStack() as stack:
+        r = connect(config.redis)
+        stack.callback(r.close)
+        keys = Keys(config.redis.namespace)
+        publisher = TimedPublisher(_publisher(config, r, keys), metrics)
+        # the admission consumers apply the scheduling rules (their own `scheduler` section);
+        # the trainer's side needs the ones it acts on: ahead, sync_every, width and rows
+        rules = config.scheduler.model_dump(exclude={"batch_size", "inflight_samples", "backfill",
+                                                     "timeout_s"})
+        sched = RolloutScheduler(
+            objective, None, publisher, redis=config.redis, shard=shard, pool=pool,
+            tasks=env.tasks, step_timeout_s=config.step_timeout_s,
+            timeout=config.scheduler.timeout_s, **rules)
+        stack.callback(sched.close)
+        if position is not None:
+            updates = sched.resume(position.updates)
+            log.info("rank %d resumes at step %d, version %d", rank, start, updates)
+        record = _record_file(config, rank, stack)
+
+        saved = [start]
+
+        def save(step: int) -> None:
+            saved[0] = step
+            if config.checkpoint.dir:
+                checkpoint.save(engine, config.checkpoint.dir,
+                                checkpoint.Position(step=step, updates=sched.updates, epoch=sched.epoch),
+                                keep=config.checkpoint.keep)
+
+        def step_done(done: StepRecord) -> None:
+            if position is not None and sched.reader and sched.epoch <= position.epoch:
+                raise RuntimeError(f"epoch {sched.epoch} does not follow the checkpoint's {position.epoch}")
+            row = {**done.row(), "rank": rank, "shard": shard, "epoch": sched.epoch, "run": run_id,
+                   "pushed": sched.pushed, "publisher": pool is None or pool.publishes,
+                   "tasks": list(sched.trained),
+                   "cut_tasks": sorted(set(t for _, _, t in sched.admitted) - set(sched.trained))}
+            if record is not None:
+                record.write(json.dumps(row) + "\n")
+                record.flush()
+            if on_step is not None:
+                on_step(row)
+            every = config.checkpoint.every
+            if every and (done.step + 1) % every == 0:
+                save(done.step + 1)
+
+        def stopping() -> bool:
+            return pool.any(stop.is_set()) if pool is not None else stop.is_set()
+
+        history = train(engine, sched, objective, batches(config.data, shard, shards, start),
+                        steps=config.steps - start, on_step=step_done, metrics=metrics,
+                        shard=shard, first_step=start, stop=stopping)
+        end = start + len(history)
+        if end != saved[0]:
+            save(end)
+    log.info("rank %d: trained steps %d..%d%s", rank, start, end - 1,
+             " (stopped)" if stop.is_set() else "")
+    return end
+
+
+def _record_file(config: RunConfig, rank: int, stack: ExitStack) -> Any:
+    if not config.record:
+        return None
+    path = Path(config.record.replace("{rank}", str(rank)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return stack.enter_context(path.open("a", encoding="utf-8"))
+
+
+def main(config: RunConfig) -> int:
+    """The process: signals, metrics endpoint, `run`."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    started = threading.Event()
+    with serving("trainer", config.redis.namespace, config.metrics_addr,
+                 health=lambda: True, ready=started.is_set) as metrics:
+        started.set()
+        run(config, stop=stop, metrics=metrics)
+    return 0

@@ -8,6 +8,8 @@
 #   docker build -t rollstream:cu128 \
 #     --build-arg BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+# Without g++ in the runtime image (only CPU trainer ranks need it):
+#   --build-arg RUNTIME_PACKAGES=
 # Another torch:
 #   --build-arg TORCH_SPEC=torch==2.13.0   (the CPU index serves CPU-only wheels; the cuXXX
 #                                          indexes serve the matching CUDA builds)
@@ -59,6 +61,16 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN if ! command -v python3 >/dev/null 2>&1; then \
         apt-get update \
         && apt-get install -y --no-install-recommends python3 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+# A CPU trainer rank (trainer.gpu.count=0) compiles DeepSpeed's shared-memory comm op with
+# g++ on first use (into $HOME/.cache/torch_extensions; the chart's HOME is /tmp). CUDA images
+# whose trainers run on GPUs can leave it out: --build-arg RUNTIME_PACKAGES=
+ARG RUNTIME_PACKAGES=g++
+RUN if [ -n "${RUNTIME_PACKAGES}" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends ${RUNTIME_PACKAGES} \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 

@@ -6,16 +6,18 @@ as many as they like). Names carry the `rollstream_` prefix and base units; coun
 `_total`; distributions that several replicas report are histograms, so they aggregate
 across pods with `sum by (le) (rate(..._bucket[5m]))`.
 
-Which process feeds what (each process only touches its own families; the rest stay
-empty in its scrape):
+Which process feeds what (each series has exactly one owner process, so no query
+counts a step twice; the rest stay empty in a process's scrape):
 
 - admission consumer (label `shard`): `observe_event` per scheduler event,
   `observe_actions` per list of actions, `observe_finished` per result read,
-  `set_in_flight` after each transition, `observe_record` per packed step, `observe_stream`
-  per stream and group when it trims, `dead_letter`, `served_version`;
+  `set_in_flight` after each transition, `observe_record` per packed step (the scheduler's
+  side of the step: groups, resubmissions, lag, the session metrics), `observe_stream` per
+  stream and group when it trims, `dead_letter`, `served_version`;
 - rollout consumer (label `consumer`): `set_slots`, `dead_letter`;
-- trainer (label `shard` = rank): `observe_train` per optimizer step, `observe_push` per
-  weight push (rank 0).
+- trainer (label `shard`: the shard the rank trains): `observe_train` per optimizer step
+  (steps, updates, its own wait, step seconds, tokens per second, mean reward, the loss
+  metrics), `observe_push` per weight push (the publishing rank).
 
 `serve(metrics, "host:port", health=..., ready=...)` runs the HTTP endpoint: `/metrics`
 (Prometheus text, or OpenMetrics when the scraper asks for it), `/healthz` and `/readyz`.
@@ -75,16 +77,15 @@ STEP_BUCKETS = (
 )
 """Optimizer step durations: 50 ms to 1 h."""
 
-RECORD_GAUGES = {
+TRAIN_GAUGES = {
     "loss": "trainer_loss",
-    "reward_mean": "reward_mean",
     "importance_mean": "importance_weight_mean",
     "importance_max": "importance_weight_max",
     "mismatch_kl": "trainer_engine_mismatch_kl",
-    "tokens_per_s": "trainer_tokens_per_second",
 }
-"""Keys of `SchedulerRecord.metrics` (and of the trainer's loss metrics) that have a
-dedicated gauge; every finite key is also exported as `rollstream_step_metric{name=...}`."""
+"""Keys of the trainer's loss metrics (`GRPOObjective.loss`) that have a dedicated gauge.
+Every finite key of those, and of `SchedulerRecord.metrics` on the admission side, is also
+exported as `rollstream_step_metric{name=...}` (the two key sets are disjoint)."""
 
 
 def _version() -> str:
@@ -94,27 +95,45 @@ def _version() -> str:
         return "unknown"
 
 
+UNLABELLED_OWNER = {
+    "weights_served_version": "admission",
+    "weights_published_version": "trainer",
+    "weights_push_seconds": "trainer",
+}
+"""The process that exports each family without labels. A labelled family only shows the
+series a process sets, but an unlabelled one is exported (as 0) as soon as it is
+registered, so it is registered only in its owner's process."""
+
+
 class Metrics:
     """The pipeline's metrics on `registry` (a fresh `CollectorRegistry` when omitted).
 
     `process=True` also registers the process and platform collectors (CPU, memory, open
-    file descriptors, Python version) on the same registry, as the servers want."""
+    file descriptors, Python version) on the same registry, as the servers want.
+    `component` (admission, consumer, trainer) leaves the unlabelled families other
+    processes own off the registry (`UNLABELLED_OWNER`); their objects still take calls.
+    None registers every family."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = False) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = False,
+                 component: str | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
 
+        def own(name: str) -> CollectorRegistry | None:
+            owner = UNLABELLED_OWNER.get(name)
+            return r if component is None or owner is None or owner == component else None
+
         def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
             return Counter(PREFIX + name, doc, tuple(labels), registry=r)
 
         def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
-            return Gauge(PREFIX + name, doc, tuple(labels), registry=r)
+            return Gauge(PREFIX + name, doc, tuple(labels), registry=own(name))
 
         def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, tuple(labels), buckets=buckets, registry=r)
+            return Histogram(PREFIX + name, doc, tuple(labels), buckets=buckets, registry=own(name))
 
         # -- scheduler (admission consumer, label shard)
         self.scheduler_events = counter(
@@ -159,11 +178,13 @@ class Metrics:
 
         # -- trainer (label shard = rank)
         self.trainer_steps = counter(
-            "trainer_steps_total", "Steps the trainer consumed (SchedulerRecords).", ("shard",))
+            "trainer_steps_total", "Optimizer steps the trainer rank took.", ("shard",))
         self.trainer_updates = gauge(
-            "trainer_updates", "Optimizer updates applied so far.", ("shard",))
+            "trainer_updates", "Optimizer updates applied so far (the weight version the "
+            "trainer holds).", ("shard",))
         self.trainer_waited = histogram(
-            "trainer_waited_seconds", "Seconds the trainer waited for each step's batch.",
+            "trainer_waited_seconds", "Seconds each trainer call waited for its step's "
+            "packed rows (hand-over to rows, as the trainer measures it).",
             ("shard",), WAIT_BUCKETS)
         self.trainer_step = histogram(
             "trainer_step_seconds", "Seconds of each optimizer step (rescore, loss, "
@@ -173,7 +194,7 @@ class Metrics:
             ("shard",))
         self.trainer_loss = gauge("trainer_loss", "Loss of the latest step.", ("shard",))
         self.reward_mean = gauge(
-            "reward_mean", "Mean verifier reward of the latest step's admitted rollouts.",
+            "reward_mean", "Mean verifier reward of the rollouts the latest step trained.",
             ("shard",))
         self.importance_weight_mean = gauge(
             "importance_weight_mean", "Mean behaviour importance weight (proximal / "
@@ -257,18 +278,15 @@ class Metrics:
         self.samples_in_flight.labels(str(shard)).set(samples)
 
     def observe_record(self, record: SchedulerRecord, *, shard: int) -> None:
-        """Everything one SchedulerRecord (one trainer step of `shard`) tells.
+        """The scheduler's side of one packed step of `shard` (the admission consumer).
 
-        Counters: steps, admitted/abandoned/cut groups, resubmissions by cause.
-        Histograms: the step's lag, the trainer's wait. Gauges: updates, and the keys of
-        `record.metrics` (dedicated gauges for `RECORD_GAUGES`, all finite keys in
-        `rollstream_step_metric`). `record.cancelled` is not re-counted: the cancels are
-        counted with their reasons as they happen (`observe_actions`)."""
+        Counters: admitted/abandoned/cut groups, resubmissions by cause. Histogram: the
+        step's lag. Gauges: every finite key of `record.metrics` in `rollstream_step_metric`.
+        `record.cancelled` is not re-counted: the cancels are counted with their reasons as
+        they happen (`observe_actions`). The trainer's side of the same step (steps,
+        updates, its wait, the mean reward) is `observe_train`'s, in the trainer process."""
         s = str(shard)
-        self.trainer_steps.labels(s).inc()
-        self.trainer_updates.labels(s).set(record.updates)
         self.admitted_lag.labels(s).observe(record.lag)
-        self.trainer_waited.labels(s).observe(max(0.0, float(record.waited)))
         self.groups_admitted.labels(s).inc(record.groups)
         self.groups_abandoned.labels(s).inc(record.abandoned)
         self.groups_cut.labels(s).inc(record.cut)
@@ -278,22 +296,33 @@ class Metrics:
         self._observe_values(s, record.metrics)
 
     def observe_train(self, shard: int, *, step_s: float, tokens: int,
-                      metrics: Mapping[str, float]) -> None:
-        """One optimizer step of rank `shard`: its duration, throughput and loss metrics
-        (`GRPOObjective.loss` returns them: loss, importance_mean/max, mismatch_kl, ...)."""
+                      metrics: Mapping[str, float], record: SchedulerRecord | None = None) -> None:
+        """One optimizer step of a trainer rank training `shard`: the step count, its
+        duration, throughput and loss metrics (`GRPOObjective.loss` returns them: loss,
+        importance_mean/max, mismatch_kl, ...), and, given the step's `SchedulerRecord`
+        as the trainer received it, the updates after the step, the trainer's own wait
+        for the batch and the batch's mean reward."""
         s = str(shard)
+        self.trainer_steps.labels(s).inc()
         self.trainer_step.labels(s).observe(step_s)
         if step_s > 0:
             self.trainer_tokens_per_second.labels(s).set(tokens / step_s)
-        self._observe_values(s, metrics)
+        self._observe_values(s, metrics, TRAIN_GAUGES)
+        if record is not None:
+            self.trainer_updates.labels(s).set(record.updates + 1)
+            self.trainer_waited.labels(s).observe(max(0.0, float(record.waited)))
+            reward = float(record.metrics.get("reward_mean", math.nan))
+            if math.isfinite(reward):
+                self.reward_mean.labels(s).set(reward)
 
-    def _observe_values(self, shard: str, values: Mapping[str, float]) -> None:
+    def _observe_values(self, shard: str, values: Mapping[str, float],
+                        gauges: Mapping[str, str] | None = None) -> None:
         for key, value in values.items():
             value = float(value)
             if not math.isfinite(value):
                 continue
             self.step_metric.labels(shard, key).set(value)
-            attr = RECORD_GAUGES.get(key)
+            attr = (gauges or {}).get(key)
             if attr is not None:
                 getattr(self, attr).labels(shard).set(value)
 
@@ -437,7 +466,7 @@ def serve(metrics: Metrics, addr: str = "127.0.0.1:0", *,
 def serving(component: str, run: str, addr: str, *, health: Callable[[], bool],
             ready: Callable[[], bool] | None = None) -> Iterator[Metrics]:
     """A process's `Metrics`, labelled with its role and run, served on `addr` until exit."""
-    metrics = Metrics(process=True)
+    metrics = Metrics(process=True, component=component)
     metrics.set_build(component=component, run=run)
     server = serve(metrics, addr, health=health, ready=ready)
     try:

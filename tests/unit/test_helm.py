@@ -27,6 +27,7 @@ import yaml
 from pipeline import keys
 from pipeline.config import AdmissionConfig, ConsumerConfig, SchedulerConfig, build
 from pipeline.metrics import Metrics, families, sample_names
+from trainer.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "rollstream"
@@ -56,10 +57,18 @@ PROD = {
         "config": {"slots": 16, "grace_s": 120, "lease_s": 60, "source_args": {"base_url": "http://gw:8000"}},
         "autoscaling": {"minReplicas": 10, "maxReplicas": 80, "keda": {"enabled": True}},
     },
-    "trainer": {"ranks": 4, "gpu": {"count": 1}, "persistence": {"enabled": True},
-                "config": {"checkpoint_dir": "/checkpoints"}},
+    "trainer": {"ranks": 4, "gpu": {"count": 1},
+                "persistence": {"enabled": True, "existingClaim": "rl-checkpoints"},
+                "config": {"trainer": {"model": {"kind": "hf", "hf": {"model_type": "gpt2", "n_layer": 2}},
+                                       "optimizer": {"type": "AdamW", "lr": 1e-6}, "zero_stage": 2},
+                           "data": {"env": "arithmetic", "batch_size": 8},
+                           "checkpoint": {"every": 50, "keep": 3}, "steps": 5000}},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
 }
+
+
+SHARED = {"trainer": {"ranks": 8, "share": 2, "gpu": {"count": 1}}}  # 4 shards of 2 ranks
+ONE_RANK_CLAIM = {"trainer": {"persistence": {"enabled": True}}}  # one rank, a claim from the template
 
 
 def merged(base: dict, overrides: dict) -> dict:
@@ -121,7 +130,7 @@ def checksum(doc: dict) -> str:
 
 def config_files(docs: list[dict]) -> dict[str, dict]:
     cm = next(d for d in find(docs, "ConfigMap", "config"))
-    return {name: yaml.safe_load(text) for name, text in cm["data"].items()}
+    return {name: json.loads(text) for name, text in cm["data"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +189,9 @@ def _check_crd(doc: dict) -> None:
     {"consumer": {"autoscaling": {"keda": {"enabled": True, "mode": "lag"}, "minReplicas": 0}},
      "networkPolicy": {"enabled": False}, "tests": {"enabled": False},
      "redis": {"auth": {"enabled": False}}, "trainer": {"gpu": {"count": 0}}},
-], ids=["default", "production", "hpa-podmonitor", "keda-lag-minimal"])
+    SHARED,
+    ONE_RANK_CLAIM,
+], ids=["default", "production", "hpa-podmonitor", "keda-lag-minimal", "shares", "one-rank-claim"])
 def test_every_manifest_validates(chart, values):
     docs = documents(render(chart, values))
     assert docs
@@ -200,6 +211,8 @@ def test_schema_refuses_wrong_types(chart):
         chart.validate_schema({"scheduler": {"grups": 4}})
     with pytest.raises(helm.HelmValuesError, match="/trainer/ranks"):
         chart.validate_schema({"trainer": {"ranks": 0}})
+    with pytest.raises(helm.HelmValuesError, match="'scheduler' not allowed"):  # the chart sets it
+        chart.validate_schema({"trainer": {"config": {"scheduler": {"groups": 2}}}})
     with pytest.raises(helm.HelmValuesError, match="/redis/appendfsync"):
         chart.validate_schema({"redis": {"appendfsync": "sometimes"}})
     with pytest.raises(helm.HelmValuesError, match="/run/namespace"):
@@ -216,6 +229,8 @@ def test_schema_mirrors_the_config_models():
     assert set(props["consumer"]["properties"]["config"]["properties"]) == consumer_fields
     admission_fields = set(AdmissionConfig.model_fields) - {"redis", "shard", "scheduler", "metrics_addr"}
     assert set(props["admission"]["properties"]["config"]["properties"]) == admission_fields
+    trainer_fields = set(RunConfig.model_fields) - {"redis", "metrics_addr", "scheduler", "share"}
+    assert set(props["trainer"]["properties"]["config"]["properties"]) == trainer_fields
 
 
 @pytest.mark.parametrize("values, message", [
@@ -228,6 +243,10 @@ def test_schema_mirrors_the_config_models():
     ({"scheduler": {"ahead": 2, "max_lag": 1}}, "max_lag=1 is below ahead"),
     ({"consumer": {"config": {"grace_s": 400, "lease_s": 30}}}, "exceeds ten leases"),
     ({"consumer": {"autoscaling": {"minReplicas": 0}}}, "needs KEDA"),
+    ({"trainer": {"ranks": 3, "share": 2}}, "trainer.share=2 does not divide trainer.ranks=3"),
+    ({"trainer": {"ranks": 2, "persistence": {"enabled": True}}}, "set trainer.persistence.existingClaim"),
+    ({"trainer": {"persistence": {"enabled": True}, "config": {"checkpoint": {"dir": "/elsewhere"}}}},
+     "leave checkpoint.dir unset"),
 ])
 def test_validate_values_refuses(chart, values, message):
     with pytest.raises(helm.HelmRenderError, match="VALUES VALIDATION") as err:
@@ -252,9 +271,23 @@ def test_default_topology(default_docs):
     # the password reaches every rollstream pod from the generated Secret, never the config
     secret = one(default_docs, "Secret", "redis")
     assert list(secret["data"]) == ["redis-password"]
-    for component in ("consumer",):
-        ref = env(container(one(default_docs, "Deployment", component)))["ROLLSTREAM_REDIS_PASSWORD"]
+    for kind, component in [("Deployment", "consumer"), ("StatefulSet", "admission"), ("StatefulSet", "trainer")]:
+        ref = env(container(one(default_docs, kind, component)))["ROLLSTREAM_REDIS_PASSWORD"]
         assert ref["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "redis-password"}
+
+
+def test_shards_are_ranks_over_share(chart):
+    docs = documents(render(chart, SHARED))
+    assert one(docs, "StatefulSet", "trainer")["spec"]["replicas"] == 8
+    assert one(docs, "StatefulSet", "admission")["spec"]["replicas"] == 4
+    assert config_files(docs)["trainer.json"]["share"] == 2
+    test_pod = one(docs, "Pod")
+    script = " ".join(" ".join(c.get("command", []) + c.get("args", [])) for c in test_pod["spec"]["containers"])
+    assert "results:3 admission:3" in script and "results:4" not in script
+    one_rank = documents(render(chart, ONE_RANK_CLAIM))
+    trainer = one(one_rank, "StatefulSet", "trainer")
+    assert trainer["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+    assert config_files(one_rank)["trainer.json"]["checkpoint"]["dir"] == "/checkpoints"
 
 
 def test_production_topology(prod_docs):
@@ -289,8 +322,14 @@ def test_production_topology(prod_docs):
     assert e["WORLD_SIZE"]["value"] == "4" and e["MASTER_PORT"]["value"] == "29500"
     assert e["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
     assert container(trainer)["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert container(trainer)["args"] == ["trainer", "--config", "/etc/rollstream/trainer.yaml"]
-    assert trainer["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+    assert container(trainer)["args"] == ["trainer", "--config", "/etc/rollstream/trainer.json"]
+    # one ReadWriteMany claim for all ranks: a checkpoint is one directory all ranks write
+    assert "volumeClaimTemplates" not in trainer["spec"]
+    volumes = {v["name"]: v for v in trainer["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "rl-checkpoints"
+    mounts = {m["name"]: m["mountPath"] for m in container(trainer)["volumeMounts"]}
+    assert mounts["checkpoints"] == "/checkpoints"
+    assert trainer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 300
 
     # external Redis: no in-chart Redis, credentials and CA from the user's Secrets
     assert not find(prod_docs, "StatefulSet", "redis") and not find(prod_docs, "Secret")
@@ -300,7 +339,7 @@ def test_production_topology(prod_docs):
     assert volumes["redis-tls-ca"]["secret"]["secretName"] == "redis-ca"
     assert consumer["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "ghcr"}]
     assert c["image"] == "ghcr.io/rollstream/rollstream:0.1.0-cu128"
-    assert c["args"] == ["consumer", "--config", "/etc/rollstream/consumer.yaml",
+    assert c["args"] == ["consumer", "--config", "/etc/rollstream/consumer.json",
                          "--source", "consumers.sources.gateway:GatewaySource"]
 
     monitor = one(prod_docs, "ServiceMonitor")
@@ -312,7 +351,7 @@ def test_production_topology(prod_docs):
 
 def test_admission_shard_is_the_pod_ordinal(prod_docs):
     c = container(one(prod_docs, "StatefulSet", "admission"))
-    assert c["args"] == ["admission", "--config", "/etc/rollstream/admission.yaml", "--shard", "$(ROLLSTREAM_SHARD)"]
+    assert c["args"] == ["admission", "--config", "/etc/rollstream/admission.json", "--shard", "$(ROLLSTREAM_SHARD)"]
     shard = env(c)["ROLLSTREAM_SHARD"]
     assert shard["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
     # $(VAR) expands only from variables defined before it in env
@@ -324,7 +363,7 @@ def test_consumer_grace_period_covers_its_drain(chart, grace_s, margin, expected
     docs = documents(render(chart, {"consumer": {"config": {"grace_s": grace_s}, "terminationMarginSeconds": margin}}))
     consumer = one(docs, "Deployment", "consumer")
     assert consumer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == expected
-    assert config_files(docs)["consumer.yaml"]["grace_s"] == grace_s
+    assert config_files(docs)["consumer.json"]["grace_s"] == grace_s
 
 
 def test_checksum_follows_the_config(chart, default_docs):
@@ -347,20 +386,37 @@ def test_checksum_follows_the_config(chart, default_docs):
 @pytest.mark.parametrize("docs_fixture", ["default_docs", "prod_docs"])
 def test_config_files_load_as_the_pipeline_models(request, docs_fixture):
     files = config_files(request.getfixturevalue(docs_fixture))
-    consumer = build(ConsumerConfig, files["consumer.yaml"])
-    admission = build(AdmissionConfig, files["admission.yaml"])
-    assert consumer.metrics_addr == admission.metrics_addr == "0.0.0.0:9400"
-    assert consumer.redis == admission.redis
+    consumer = build(ConsumerConfig, files["consumer.json"])
+    admission = build(AdmissionConfig, files["admission.json"])
+    trainer = build(RunConfig, files["trainer.json"])
+    assert consumer.metrics_addr == admission.metrics_addr == trainer.metrics_addr == "0.0.0.0:9400"
+    assert consumer.redis == admission.redis == trainer.redis
     assert consumer.redis.password_env == "ROLLSTREAM_REDIS_PASSWORD"
-    assert "password" not in files["consumer.yaml"]["redis"]
-    assert files["trainer.yaml"]["redis"] == files["consumer.yaml"]["redis"]
+    assert "password" not in files["consumer.json"]["redis"]
+    # the trainer acts on the same scheduling rules the admission consumers apply
+    assert files["trainer.json"]["scheduler"] == files["admission.json"]["scheduler"]
+    assert trainer.scheduler == admission.scheduler
+    if docs_fixture == "prod_docs":
+        assert trainer.trainer.model.kind == "hf" and trainer.trainer.zero_stage == 2
+        assert trainer.trainer.optimizer.lr == 1e-6  # a float in exponent form stays a float
+        assert trainer.checkpoint.dir == "/checkpoints" and trainer.checkpoint.every == 50
+        assert trainer.steps == 5000 and trainer.share == 1
+    else:
+        assert trainer.checkpoint.dir is None  # no persistence: no checkpoints
+        # the default smoke run fits the default SleepSource consumers: their token ids are
+        # in the model's vocabulary and a packed row fits its positions
+        from consumers.sources.sleep import SleepSource
+        assert consumer.source == "consumers.sources.sleep:SleepSource"
+        sleep = SleepSource(**consumer.source_args)
+        tiny = trainer.trainer.model.tiny
+        assert trainer.trainer.model.kind == "tiny" and sleep.vocab <= tiny.vocab
+        assert admission.scheduler.width <= tiny.max_positions
     if docs_fixture == "prod_docs":
         assert consumer.slots == 16 and consumer.source_args == {"base_url": "http://gw:8000"}
         assert consumer.redis.url == "rediss://redis.prod.example:6380/2"
         assert consumer.redis.tls_ca_file == "/etc/rollstream/tls/ca.crt"
         assert consumer.redis.username == "rollstream" and consumer.redis.namespace == "exp-42"
         assert admission.scheduler.admission == "stream" and admission.scheduler.timeout_s == 1800.0
-        assert files["trainer.yaml"]["checkpoint_dir"] == "/checkpoints"
     else:
         assert consumer.redis.url == f"redis://{RELEASE}-rollstream-redis.{NAMESPACE}.svc.cluster.local:6379/0"
         assert admission.scheduler == SchedulerConfig()

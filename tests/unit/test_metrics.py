@@ -143,8 +143,6 @@ def test_observe_record_moves_the_right_series(metrics, server):
                                   metrics={}), shard=3)
     fams = scrape(server.url)
     s = {"shard": "3"}
-    assert value(fams, "rollstream_trainer_steps", "rollstream_trainer_steps_total", **s) == 2
-    assert value(fams, "rollstream_trainer_updates", "rollstream_trainer_updates", **s) == 7
     assert value(fams, "rollstream_groups_admitted", "rollstream_groups_admitted_total", **s) == 5
     assert value(fams, "rollstream_groups_abandoned", "rollstream_groups_abandoned_total", **s) == 1
     assert value(fams, "rollstream_groups_cut", "rollstream_groups_cut_total", **s) == 1
@@ -160,16 +158,40 @@ def test_observe_record_moves_the_right_series(metrics, server):
     assert value(fams, lag, lag + "_bucket", le="0.0", **s) == 1
     assert value(fams, lag, lag + "_bucket", le="1.0", **s) == 1
     assert value(fams, lag, lag + "_bucket", le="2.0", **s) == 2
-    waited = "rollstream_trainer_waited_seconds"
-    assert value(fams, waited, waited + "_sum", **s) == pytest.approx(12.75)
-    assert value(fams, waited, waited + "_bucket", le="1.0", **s) == 1
-    # record.metrics: dedicated gauges and the catch-all; NaN is skipped
-    assert value(fams, "rollstream_reward_mean", "rollstream_reward_mean", **s) == 0.5
-    assert value(fams, "rollstream_trainer_loss", "rollstream_trainer_loss", **s) == 1.5
+    # record.metrics: the catch-all only; NaN is skipped
     assert value(fams, "rollstream_step_metric", "rollstream_step_metric", name="merge_ratio", **s) == 0.25
+    assert value(fams, "rollstream_step_metric", "rollstream_step_metric", name="reward_mean", **s) == 0.5
     assert not [x for x in fams["rollstream_step_metric"].samples if x.labels["name"] == "latency_s_p90"]
     # record.cancelled is counted by observe_actions, with reasons, not here
     assert not fams["rollstream_samples_cancelled"].samples
+    # the trainer's side of the step is the trainer's: one owner per series
+    for family in ("rollstream_trainer_steps", "rollstream_trainer_updates", "rollstream_trainer_waited_seconds",
+                   "rollstream_reward_mean", "rollstream_trainer_loss"):
+        assert not fams[family].samples, family
+
+
+def test_observe_train_with_the_record_owns_the_trainer_side_of_the_step(metrics):
+    train = {"loss": 0.3, "loss_tokens": 96.0, "mismatch_kl": float("nan")}
+    metrics.observe_train(2, step_s=0.5, tokens=96, metrics=train, record=record())
+    metrics.observe_train(2, step_s=1.0, tokens=64, metrics=train,
+                          record=record(updates=8, waited=12.0, metrics={"merge_ratio": 1.0}))
+    metrics.observe_train(2, step_s=1.0, tokens=64, metrics=train)  # no record: steps and loss only
+    get = metrics.registry.get_sample_value
+    s = {"shard": "2"}
+    assert get("rollstream_trainer_steps_total", s) == 3
+    assert get("rollstream_trainer_updates", s) == 9  # updates after the second step
+    assert get("rollstream_trainer_waited_seconds_count", s) == 2
+    assert get("rollstream_trainer_waited_seconds_sum", s) == pytest.approx(12.75)
+    assert get("rollstream_trainer_waited_seconds_bucket", {**s, "le": "1.0"}) == 1
+    assert get("rollstream_reward_mean", s) == 0.5  # the second record had none: kept
+    assert get("rollstream_trainer_loss", s) == 0.3
+    assert get("rollstream_trainer_tokens_per_second", s) == 64
+    assert get("rollstream_step_metric", {**s, "name": "loss_tokens"}) == 96
+    assert get("rollstream_trainer_engine_mismatch_kl", s) is None  # NaN: no series
+    # the record's session metrics are the admission consumer's series, not the trainer's
+    assert get("rollstream_step_metric", {**s, "name": "merge_ratio"}) is None
+    assert get("rollstream_step_metric", {**s, "name": "reward_mean"}) is None
+    assert get("rollstream_groups_admitted_total", s) is None
 
 
 def test_observe_actions_events_and_finished(metrics):
@@ -306,3 +328,18 @@ def test_every_family_is_documented(metrics):
             continue
         shown = {"counter": name + "_total", "info": name + "_info"}.get(kind, name)
         assert f"| `{shown}` | {kind}" in text, f"{shown} missing from docs/operations.md"
+
+
+def test_unlabelled_families_are_exported_only_by_their_owner():
+    exported = {}
+    for component in ("admission", "consumer", "trainer"):
+        metrics = Metrics(CollectorRegistry(), component=component)
+        metrics.served_version.set(3)  # calls on a family another process owns still work
+        metrics.observe_push(4, 0.5)
+        exported[component] = {s.name for f in metrics.registry.collect() for s in f.samples}
+    assert "rollstream_weights_served_version" in exported["admission"]
+    assert "rollstream_weights_published_version" in exported["trainer"]
+    assert "rollstream_weights_push_seconds_count" in exported["trainer"]
+    assert not {n for n in exported["consumer"] if n.startswith("rollstream_weights")}
+    assert not {n for n in exported["admission"] if n.startswith("rollstream_weights_p")}
+    assert "rollstream_weights_served_version" not in exported["trainer"]

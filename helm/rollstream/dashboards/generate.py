@@ -56,8 +56,9 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          "never above max_lag."),
          quantiles("rollstream_admitted_lag_updates")),
         ("Step metrics", "timeseries", "short",
-         ("Every finite SchedulerRecord.metrics value of the latest step (merge ratio, "
-         "non-pad share, latency percentiles, token lag, ...)."),
+         ("Every finite metric of the latest step: the SchedulerRecord's session metrics from "
+         "the admission consumers (merge ratio, non-pad share, latency percentiles, token lag, "
+         "...) and the loss metrics from the trainer ranks (loss tokens, clip fraction, ...)."),
          [(f"avg by (name) (rollstream_step_metric{{{SHARD}}})", "{{name}}")]),
     ]),
     ("Rollouts", [
@@ -80,24 +81,27 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
     ]),
     ("Trainer", [
         ("Trainer updates", "stat", "short",
-         "Optimizer updates applied so far.",
+         "Optimizer updates applied so far: the weight version the trainer holds.",
          [(f"max(rollstream_trainer_updates{{{SHARD}}})", "updates")]),
         ("Steps / s", "timeseries", "ops",
-         "Steps consumed by each trainer rank.",
-         [(rate("rollstream_trainer_steps_total", "shard"), "rank {{shard}}")]),
+         "Optimizer steps per second of each shard (the ranks of one batch share step together).",
+         [(f"max by (shard) (rate(rollstream_trainer_steps_total{{{SHARD}}}[{RATE}]))",
+           "shard {{shard}}")]),
         ("Trainer waited", "timeseries", "s",
-         "Seconds each step's trainer call waited for its batch (the pipeline's bubble).",
+         ("Seconds each trainer call waited for its packed rows, as the trainer measures it "
+         "(the pipeline's bubble)."),
          quantiles("rollstream_trainer_waited_seconds")),
         ("Step time", "timeseries", "s",
          "Seconds per optimizer step (rescore, loss, backward, step).",
          quantiles("rollstream_trainer_step_seconds")),
         ("Tokens / s", "timeseries", "short",
-         "Trained tokens per second, summed over ranks.",
-         [(f"sum(rollstream_trainer_tokens_per_second{{{SHARD}}})", "tokens/s")]),
-        ("Loss", "timeseries", "short", "Loss of the latest step, per rank.",
-         [(f"avg by (shard) (rollstream_trainer_loss{{{SHARD}}})", "rank {{shard}}")]),
+         ("Trained tokens per second of the latest step, summed over shards (the ranks of one "
+         "batch share train the same rows, so each shard counts once)."),
+         [(f"sum(max by (shard) (rollstream_trainer_tokens_per_second{{{SHARD}}}))", "tokens/s")]),
+        ("Loss", "timeseries", "short", "Loss of the latest step, per shard.",
+         [(f"avg by (shard) (rollstream_trainer_loss{{{SHARD}}})", "shard {{shard}}")]),
         ("Mean reward", "timeseries", "short",
-         "Mean verifier reward of the admitted rollouts.",
+         "Mean verifier reward of the rollouts the latest trainer step trained.",
          [(f"avg(rollstream_reward_mean{{{SHARD}}})", "reward")]),
         ("Importance weights", "timeseries", "short",
          "Behaviour importance weight (proximal / behaviour): mean and max before any cap.",
@@ -106,7 +110,7 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
         ("Trainer-engine mismatch", "timeseries", "short",
          ("k3 estimate of KL(behaviour || trainer) on tokens sampled by the trainer's own "
          "version."),
-         [(f"avg by (shard) (rollstream_trainer_engine_mismatch_kl{{{SHARD}}})", "rank {{shard}}")]),
+         [(f"avg by (shard) (rollstream_trainer_engine_mismatch_kl{{{SHARD}}})", "shard {{shard}}")]),
     ]),
     ("Consumers", [
         ("Slot utilisation", "stat", "percentunit",

@@ -338,7 +338,23 @@ usernameFromEnv: ROLLSTREAM_REDIS_USERNAME
 {{- if gt (float64 .Values.consumer.config.grace_s) (mulf (float64 .Values.consumer.config.lease_s) 10.0) -}}
 {{- $messages = append $messages (printf "consumer.config.grace_s=%v exceeds ten leases (lease_s=%v)" .Values.consumer.config.grace_s .Values.consumer.config.lease_s) -}}
 {{- end -}}
+{{- $t := .Values.trainer -}}
+{{- if ne (mod (int $t.ranks) (int $t.share)) 0 -}}
+{{- $messages = append $messages (printf "trainer.share=%v does not divide trainer.ranks=%v: every shard needs share ranks" $t.share $t.ranks) -}}
+{{- end -}}
+{{- $checkpointDir := dig "checkpoint" "dir" "" $t.config -}}
+{{- if and $t.persistence.enabled $checkpointDir (ne $checkpointDir $t.persistence.mountPath) -}}
+{{- $messages = append $messages (printf "trainer.config.checkpoint.dir=%v: with trainer.persistence.enabled the checkpoints go to trainer.persistence.mountPath (%v); leave checkpoint.dir unset" $checkpointDir $t.persistence.mountPath) -}}
+{{- end -}}
+{{- if and $t.persistence.enabled (gt (int $t.ranks) 1) (not $t.persistence.existingClaim) -}}
+{{- $messages = append $messages "trainer.persistence: more than one rank write one checkpoint directory together; set trainer.persistence.existingClaim to a ReadWriteMany claim" -}}
+{{- end -}}
 {{- if $messages -}}
 {{- fail (printf "\n\nVALUES VALIDATION:\n%s" (join "\n" $messages)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Shards: trainer.ranks / trainer.share, one admission consumer each. */}}
+{{- define "rollstream.shards" -}}
+{{- div (int .Values.trainer.ranks) (max 1 (int .Values.trainer.share)) -}}
 {{- end -}}

@@ -1,0 +1,169 @@
+"""A local Prometheus server (Debian's `prometheus` package, or any `prometheus` binary on
+PATH) and the Grafana dashboard's panel queries, for the integration tests and
+`pipeline.dashboard_plot`.
+
+    with Prometheus(folder, ["127.0.0.1:9400", ...]) as prom:    # scrapes every second
+        prom.wait_scraped()
+        prom.query("rollstream_samples_in_flight")                # instant vector
+        prom.query_range(expr, start, end, step_s=2.0)            # matrix
+
+`panels()` reads `helm/rollstream/dashboards/rollstream.json`: each panel's row, title,
+unit and `(expr, legend)` targets; `promql(expr, rate_interval)` makes a panel expression
+plain PromQL (all shards, a fixed rate window), as Grafana does before it sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "helm/rollstream/dashboards/rollstream.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    """`with Prometheus(folder, ["127.0.0.1:9400", ...]) as prom: prom.query("up")`: a
+    Prometheus server on a free port, its TSDB and log under `folder`, scraping `targets`
+    every `scrape_s` seconds (job `rollstream`)."""
+
+    BINARY = "prometheus"
+
+    def __init__(self, directory: Path, targets: list[str], *, scrape_s: int = 1) -> None:
+        self.dir = Path(directory)
+        self.targets = targets
+        self.scrape_s = scrape_s
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def available(cls) -> bool:
+        return shutil.which(cls.BINARY) is not None
+
+    def __enter__(self) -> Prometheus:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        config = self.dir / "prometheus.yml"
+        every = f"{self.scrape_s}s"
+        config.write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": every, "evaluation_interval": every},
+            "scrape_configs": [{"job_name": "rollstream",
+                                "static_configs": [{"targets": self.targets}]}],
+        }))
+        self.log = open(self.dir / "prometheus.log", "wb")  # noqa: SIM115 (closed in __exit__)
+        self.proc = subprocess.Popen(
+            [self.BINARY, f"--config.file={config}", f"--storage.tsdb.path={self.dir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self._wait(lambda: b"Ready" in (self._get("/-/ready") or b""), 30, "Prometheus to start")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def _get(self, path: str) -> bytes | None:
+        """The body of `path` (an API error's too); None while the server does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.read()
+        except urllib.error.HTTPError as exc:  # 4xx/5xx: the API says why in its JSON body
+            return exc.read()
+        except OSError:
+            return None
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {(self.dir / 'prometheus.log').read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s}s for {what}")
+            time.sleep(0.2)
+
+    def _api(self, path: str, params: dict[str, Any]) -> Any:
+        body = self._get(f"/api/v1/{path}?" + urllib.parse.urlencode(params))
+        if body is None:
+            raise RuntimeError(f"{path} failed: {params}")
+        reply = json.loads(body)
+        if reply.get("status") != "success":
+            raise RuntimeError(f"{path} {params}: {reply}")
+        return reply["data"]["result"]
+
+    def query(self, expr: str) -> list[dict]:
+        """The instant-vector result of `expr` now (empty when there is no data)."""
+        return self._api("query", {"query": expr})
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict]:
+        """The matrix of `expr` from `start` to `end` (unix seconds) every `step_s`:
+        `[{"metric": {...}, "values": [[t, "v"], ...]}, ...]`."""
+        return self._api("query_range", {"query": expr, "start": f"{start:.3f}",
+                                         "end": f"{end:.3f}", "step": f"{step_s:g}"})
+
+    def wait_scraped(self, timeout_s: float = 30) -> None:
+        """Until every target has been scraped successfully at least once."""
+        def all_up() -> bool:
+            up = self.query('up{job="rollstream"}')
+            return len(up) == len(self.targets) and all(s["value"][1] == "1" for s in up)
+        self._wait(all_up, timeout_s, "every target to be scraped")
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One dashboard panel: its row, title, type, unit and `(expr, legend)` targets."""
+
+    row: str
+    title: str
+    kind: str
+    unit: str
+    targets: list[tuple[str, str]]
+
+
+def panels(path: Path = DASHBOARD) -> list[Panel]:
+    """Every panel of the dashboard JSON at `path`, in order (rows themselves excluded)."""
+    out: list[Panel] = []
+    row = ""
+
+    def walk(panel: dict) -> None:
+        nonlocal row
+        if panel["type"] == "row":
+            row = panel["title"]
+        else:
+            out.append(Panel(row, panel["title"], panel["type"],
+                             panel.get("fieldConfig", {}).get("defaults", {}).get("unit", ""),
+                             [(t["expr"], t.get("legendFormat", "")) for t in panel.get("targets", [])]))
+        for inner in panel.get("panels", []):
+            walk(inner)
+
+    for panel in json.loads(Path(path).read_text())["panels"]:
+        walk(panel)
+    return out
+
+
+def promql(expr: str, rate_interval: str = "1m") -> str:
+    """A panel expression as plain PromQL: every shard, `rate_interval` for
+    `$__rate_interval`."""
+    return expr.replace('"$shard"', '".*"').replace("$__rate_interval", rate_interval)

@@ -7,6 +7,11 @@ thread) or `async arun(request) -> Session` (see `pipeline.sessions`).
 - `consumers.sources.sleep:SleepSource`: log-normal sleeps with fake calls (benchmarks).
 - `consumers.sources.scripted:ScriptedSource`: outcomes scripted per task, sample and
   attempt (tests).
+- `consumers.sources.policy:PolicySource`: an in-process policy (the tiny model or a Hugging
+  Face causal LM on CPU) against an environment of `consumers.sources.envs`.
+- `consumers.sources.prompts:PromptSetSource`: a single-turn prompt set with a verifier.
+- `consumers.sources.harness:HarnessSource`: an agent harness behind the recording gateway
+  (docs/harness.md).
 """
 
 from __future__ import annotations

@@ -195,6 +195,9 @@ class RunConfig(_Model):
     steps: int = Field(100, ge=1, description="training steps in all (a resumed run counts from 0)")
     share: int = Field(1, ge=1, description="ranks reading one batch share (first_reader_batch)")
     step_timeout_s: float = Field(3600.0, gt=0)
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="largest entry the trainer writes (bigger: refused, "
+        "nothing written) or reads (bigger: dead-lettered); as the admission consumers'")
     record: str | None = Field(
         None, description="JSON lines, one per step (StepRecord.row() and the trained tasks); "
         "{rank} is replaced by the rank")

@@ -5,7 +5,8 @@
     deepspeed --num_gpus 8 --module pipeline.cli trainer --config trainer.yaml
 
 The file is a `trainer.config.RunConfig` (redis, metrics_addr, trainer, scheduler,
-objective, data, publisher, checkpoint, steps, share, step_timeout_s, record). The run's
+objective, data, publisher, checkpoint, steps, share, step_timeout_s, max_message_bytes,
+record). The run's
 admission consumers (one per shard: `rollstream admission --shard N`, with the same
 `scheduler` section) and rollout consumers (`rollstream consumer`, whose source runs the
 same `data.env`) run as their own processes.
@@ -113,6 +114,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
         sched = RolloutScheduler(
             objective, None, publisher, redis=config.redis, shard=shard, pool=pool,
             tasks=env.tasks, step_timeout_s=config.step_timeout_s,
+            max_message_bytes=config.max_message_bytes,
             timeout=config.scheduler.timeout_s, **rules)
         stack.callback(sched.close)
         if position is not None:

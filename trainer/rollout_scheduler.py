@@ -91,6 +91,7 @@ class RolloutScheduler:
         slots: int = 8,
         step_timeout_s: float = 3600.0,
         pool: Pool | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
         self.config = build(SchedulerConfig, dict(
             groups=groups, oversample=oversample, admit=admit, max_lag=max_lag, ahead=ahead,
@@ -109,6 +110,7 @@ class RolloutScheduler:
         check_support(bool(getattr(source, "filtered", False)), support_capacity)
         self.objective, self.source, self.weights = objective, source, weights
         self.shard, self.step_timeout_s, self.pool = shard, step_timeout_s, pool
+        self.max_message_bytes = max_message_bytes
         # a share's first reader samples; the others receive its rows (first_reader_batch)
         self.reader = pool is None or pool.first_reader
         self._tasks, self._log = tasks, log
@@ -148,7 +150,8 @@ class RolloutScheduler:
         self.r = connect(redis_config)
         self._stack.callback(self.r.close)
         self.keys = Keys(redis_config.namespace)
-        self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s)
+        limit = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
+        self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s, **limit)
         if in_process:
             from consumers.admission import Admission
             from consumers.rollout import RolloutConsumer

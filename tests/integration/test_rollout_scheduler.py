@@ -144,3 +144,17 @@ def test_a_dead_in_process_consumer_fails_the_call_at_once():
         with pytest.raises(RuntimeError, match="consumer died"):
             sched(next(stream), None)
         assert time.monotonic() - start < 30
+
+
+def test_max_message_bytes_refuses_an_oversized_registration_and_writes_nothing():
+    from pipeline.sessions import Task
+    from pipeline.wire import SchemaError
+
+    def big(batch):
+        return [Task(str(i), {"blob": "x" * 4096}) for i in batch["task_id"]]
+
+    with RolloutScheduler(None, SleepSource(median_s=0.002, seed=0), Publisher(), width=64, rows=2,
+                          groups=2, tasks=big, max_message_bytes=2048) as sched:
+        with pytest.raises(SchemaError, match="refused"):
+            next(iter(sched.tasks(batches(1))))
+        assert sched.r.xlen(sched.keys.tasks(0)) == 1  # the epoch's Open, not the registration

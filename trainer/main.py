@@ -122,10 +122,9 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
             log.info("rank %d resumes at step %d, version %d", rank, start, updates)
         record = _record_file(config, rank, stack)
 
-        saved = [start]
+        every = config.checkpoint.every
 
         def save(step: int) -> None:
-            saved[0] = step
             if config.checkpoint.dir:
                 checkpoint.save(engine, config.checkpoint.dir,
                                 checkpoint.Position(step=step, updates=sched.updates, epoch=sched.epoch),
@@ -143,7 +142,6 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
                 record.flush()
             if on_step is not None:
                 on_step(row)
-            every = config.checkpoint.every
             if every and (done.step + 1) % every == 0:
                 save(done.step + 1)
 
@@ -154,7 +152,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
                         steps=config.steps - start, on_step=step_done, metrics=metrics,
                         shard=shard, first_step=start, stop=stopping)
         end = start + len(history)
-        if end != saved[0]:
+        if end > start and not (every and end % every == 0):  # else step_done saved it
             save(end)
     log.info("rank %d: trained steps %d..%d%s", rank, start, end - 1,
              " (stopped)" if stop.is_set() else "")

@@ -34,7 +34,7 @@ import numpy as np
 from pipeline import wire
 from pipeline.config import AdmissionConfig, RedisConfig, build
 from pipeline.keys import Keys
-from pipeline.redis_io import connect, embedded
+from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.sessions import Call, Session, Status, Task
 
 GROUPS = 8
@@ -50,12 +50,6 @@ def _result(epoch: int, group: int, sample: int, prompt: int, completion: int,
                       timings={"started": 0.0, "finished": 1.0})
     res = wire.Result.from_session(0, epoch, group, sample, 0, session, "bench")
     return wire.to_fields(res)[wire.FIELD]
-
-
-def _delete(r, keys: Keys) -> None:
-    names = list(r.scan_iter(match=keys.pattern, count=1000))
-    for i in range(0, len(names), 500):
-        r.unlink(*names[i:i + 500])
 
 
 def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
@@ -146,7 +140,7 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
             seen += len(items)
         floor_s, floor_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     finally:
-        _delete(r, keys)
+        delete_namespace(r, keys)
         r.close()
     adm_rate, floor_rate = rollouts / admission_s, rollouts / floor_s
     return {

@@ -47,9 +47,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,11 +58,11 @@ from pathlib import Path
 from pipeline import wire
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
 from pipeline.keys import Keys
-from pipeline.redis_io import connect, embedded
+from pipeline.processes import Process
+from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.scheduler import CAUSES
 from pipeline.sessions import Status, Task
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("sync", "group", "batch", "stream")
 
 
@@ -99,63 +96,24 @@ def capped_lognormal_mean(median: float, sigma: float, cap: float) -> float:
     return math.exp(mu + sigma * sigma / 2) * phi(z - sigma) + c * (1.0 - phi(z))
 
 
-class _Proc:
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        self._out = open(log, "ab")  # noqa: SIM115 (closed in stop)
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.popen = subprocess.Popen(args, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, env=env)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout_s: float = 15.0) -> int:
-        if self.alive():
-            os.kill(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.kill(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout=10)
-        self._out.close()
-        return self.popen.returncode
-
-    def tail(self, n: int = 2000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-
-def _delete_namespace(r, keys: Keys) -> None:
-    batch = []
-    for key in r.scan_iter(match=keys.pattern, count=1000):
-        batch.append(key)
-        if len(batch) >= 500:
-            r.unlink(*batch)
-            batch.clear()
-    if batch:
-        r.unlink(*batch)
-
-
-def _wait_up(r, keys: Keys, procs: list[_Proc], consumers: int, timeout_s: float = 60.0) -> None:
+def _wait_up(r, keys: Keys, procs: list[Process], consumers: int, timeout_s: float = 60.0) -> None:
     """Until the admission consumer recorded its config and every consumer its heartbeat."""
     deadline = time.monotonic() + timeout_s
     pattern = keys.consumer_heartbeat("*")
     while time.monotonic() < deadline:
-        dead = [p for p in procs if not p.alive()]
+        dead = [p for p in procs if not p.alive]
         if dead:
-            raise RuntimeError(f"a pipeline process exited at start:\n{dead[0].tail()}")
+            raise RuntimeError(f"a pipeline process exited at start:\n{dead[0].output()[-2000:]}")
         beats = sum(1 for _ in r.scan_iter(match=pattern, count=100))
         if beats >= consumers and r.hget(keys.state(0), "config") is not None:
             return
         time.sleep(0.05)
     raise TimeoutError("the pipeline processes did not come up within "
-                       f"{timeout_s}s:\n" + "\n".join(p.tail(500) for p in procs))
+                       f"{timeout_s}s:\n" + "\n".join(p.output()[-500:] for p in procs))
 
 
 @contextlib.contextmanager
-def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: dict) -> Iterator[list[_Proc]]:
+def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: dict) -> Iterator[list[Process]]:
     redis = redis_config.model_dump(mode="json")
     adm = build(AdmissionConfig, {"redis": redis, "scheduler": scheduler, "block_ms": 20,
                                   "lease_s": 60.0, "trim_every_s": 3600.0,
@@ -171,8 +129,10 @@ def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: d
     (tmp / f"{ns}-adm.json").write_text(json.dumps(adm.model_dump(mode="json")))
     (tmp / f"{ns}-con.json").write_text(json.dumps(con.model_dump(mode="json")))
     cli = [sys.executable, "-m", "pipeline.cli"]
-    procs = [_Proc([*cli, "admission", "--config", str(tmp / f"{ns}-adm.json")], tmp / f"{ns}-adm.log")]
-    procs += [_Proc([*cli, "consumer", "--config", str(tmp / f"{ns}-con.json")], tmp / f"{ns}-con{i}.log")
+    procs = [Process("admission", [*cli, "admission", "--config", str(tmp / f"{ns}-adm.json")],
+                     tmp / f"{ns}-adm.log")]
+    procs += [Process("consumer", [*cli, "consumer", "--config", str(tmp / f"{ns}-con.json")],
+                      tmp / f"{ns}-con{i}.log")
               for i in range(workload["procs"])]
     try:
         yield procs
@@ -231,12 +191,12 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
             writer.open(epoch + 1)  # cancels everything still running
             _wait_taken(r, keys)
             time.sleep(0.2)
-            alive = all(p.alive() for p in procs)
+            alive = all(p.alive for p in procs)
             if not alive:
-                raise RuntimeError("a pipeline process died:\n" + "\n".join(p.tail() for p in procs))
+                raise RuntimeError("a pipeline process died:\n" + "\n".join(p.output()[-2000:] for p in procs))
         return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1)
     finally:
-        _delete_namespace(r, keys)
+        delete_namespace(r, keys)
         r.close()
 
 

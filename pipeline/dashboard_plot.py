@@ -67,7 +67,7 @@ def _redis(url: str | None, folder: Path) -> Iterator[RedisConfig]:
             yield build(RedisConfig, {"url": embedded_url, "namespace": namespace})
         return
     from pipeline.keys import Keys
-    from pipeline.redis_io import connect
+    from pipeline.redis_io import connect, delete_namespace
 
     config = build(RedisConfig, {"url": url, "namespace": namespace})
     try:
@@ -75,8 +75,7 @@ def _redis(url: str | None, folder: Path) -> Iterator[RedisConfig]:
     finally:
         r = connect(config)
         try:
-            for key in r.scan_iter(match=Keys(namespace).pattern, count=1000):
-                r.delete(key)
+            delete_namespace(r, Keys(namespace))
         finally:
             r.close()
 
@@ -85,7 +84,8 @@ def record(steps: int, folder: Path, redis_url: str | None, step_s: float,
            rate_interval: str) -> tuple[list[tuple[Panel, list[list[dict]]]], float]:
     """Run the pipeline for `steps` trainer steps under a scraping Prometheus; each panel
     with the `query_range` result of each of its targets, and the run's start time."""
-    from trainer.local import LocalRun, free_port
+    from pipeline.processes import free_port
+    from trainer.local import LocalRun
 
     ports = {role: free_port() for role in ("admission", "consumer", "trainer")}
     with ExitStack() as stack:

@@ -250,6 +250,21 @@ def append_once(r: redis.Redis, stream: str, fields: dict, *, what: str, total_s
         return entry_id
 
 
+def delete_namespace(r: redis.Redis, keys: Keys, *, batch: int = 500) -> int:
+    """Delete every key of the run `keys` names (SCAN by its pattern, UNLINK in batches);
+    returns how many. Other runs on the same Redis are untouched (never FLUSHALL)."""
+    names: list[bytes] = []
+    deleted = 0
+    for name in r.scan_iter(match=keys.pattern, count=1000):
+        names.append(name)
+        if len(names) >= batch:
+            deleted += r.unlink(*names)
+            names.clear()
+    if names:
+        deleted += r.unlink(*names)
+    return deleted
+
+
 # ---------------------------------------------------------------------------- stream ids
 
 

@@ -30,8 +30,8 @@ import redis as redis_lib
 
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, build
 from pipeline.keys import Keys
-from pipeline.redis_io import connect, embedded
-from trainer.local import Process
+from pipeline.redis_io import connect, delete_namespace, embedded
+from pipeline.processes import Process
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -89,22 +89,11 @@ def r(redis_config: RedisConfig, keys: Keys) -> Iterator[redis_lib.Redis]:
     client.close()
 
 
-def delete_namespace(client: redis_lib.Redis, keys: Keys) -> None:
-    batch = []
-    for name in client.scan_iter(match=keys.pattern, count=500):
-        batch.append(name)
-        if len(batch) >= 500:
-            client.unlink(*batch)
-            batch.clear()
-    if batch:
-        client.unlink(*batch)
-
-
 # ---------------------------------------------------------------------------- processes
 
 
 class Proc(Process):
-    """A consumer subprocess (`trainer.local.Process`); its output goes to `log`."""
+    """A consumer subprocess (`pipeline.processes.Process`); its output goes to `log`."""
 
     def __init__(self, args: list[str], log: Path) -> None:
         super().__init__(Path(log).stem, args, log)

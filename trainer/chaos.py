@@ -55,8 +55,9 @@ from typing import Any
 import redis
 
 from pipeline.config import build
+from pipeline.processes import Process, free_port
 from trainer.config import RunConfig
-from trainer.local import LocalRun, Process, free_port
+from trainer.local import LocalRun
 from trainer.main import batches
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from typing import Any
 import redis
 
 from pipeline.config import build
-from pipeline.redis_io import connect
+from pipeline.redis_io import connect, delete_namespace
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,7 @@ def _pipeline(args: argparse.Namespace, objective: Any, source: Any, publisher: 
             stop.set()
             for t in threads:
                 t.join(timeout=30.0)
-            for key in sched.r.scan_iter(match=sched.keys.pattern, count=500):
-                sched.r.unlink(key)
+            delete_namespace(sched.r, sched.keys)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

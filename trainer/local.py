@@ -19,11 +19,6 @@ are started with the launcher's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`
 from __future__ import annotations
 
 import json
-import os
-import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -31,68 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import AdmissionConfig, ConsumerConfig, build
+from pipeline.processes import Process, free_port
 from trainer.config import RunConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port(low: int = 20000, high: int = 32000) -> int:
-    """A free TCP port below the kernel's ephemeral range (32768 and up by default), so
-    the processes binding port 0 meanwhile (metrics endpoints) cannot take it first."""
-    for port in random.sample(range(low, high), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {low}..{high}")
-
-
-class Process:
-    """One child process; stdout and stderr go to `log`."""
-
-    def __init__(self, role: str, args: list[str], log: Path, env: Mapping[str, str] | None = None) -> None:
-        self.role, self.args, self.log = role, args, log
-        self._out = open(log, "ab")  # noqa: SIM115 (held for the process lifetime, closed in wait)
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-        self.popen = subprocess.Popen(args, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
-                                      env=full_env, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> int:
-        """kill -9 (the whole process group: a launcher and its workers), and reap."""
-        if self.alive:
-            os.killpg(self.pid, signal.SIGKILL)
-        return self.wait(10.0)
-
-    def wait(self, timeout_s: float) -> int:
-        code = self.popen.wait(timeout=timeout_s)
-        self._out.close()
-        return code
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM; kill -9 after `timeout_s`. Returns the exit code."""
-        self.signal(signal.SIGTERM)
-        try:
-            return self.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return self.kill()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
 
 class LocalRun:
     """The processes of one run (module docstring)."""

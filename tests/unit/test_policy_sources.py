@@ -119,7 +119,7 @@ def test_token_turn_and_context_limits_truncate_with_the_reason(tmp_path):
 
     DirectoryPublisher(tmp_path / "eos").load(eos_model(3.0), 1)
     turns = PolicySource(env=GuessEnv(max_turns=3), model_config=CONFIG, max_new_tokens=3,
-                         max_turns=2, weights=str(tmp_path / "eos"))
+                         max_turns=2, weights=str(tmp_path / "eos"), seed=0)
     s = turns.run(request(served=lambda: 1))
     assert (s.status, s.truncation, len(s.calls)) == (Status.TRUNCATED, "max_turns", 2)
 
@@ -168,7 +168,7 @@ def test_prompt_set_source_scores_one_completion_per_session(tmp_path):
                                                       {"prompt": "2+2=", "answer": ""}]))
     DirectoryPublisher(tmp_path / "w").load(eos_model(3.0), 1)
     source = PromptSetSource(prompts=str(path), model_config=CONFIG, max_new_tokens=3,
-                             weights={"directory": str(tmp_path / "w")})
+                             weights={"directory": str(tmp_path / "w")}, seed=0)
     wrong, right = source.run(request("0", served=lambda: 1)), source.run(request("3", served=lambda: 1))
     assert (wrong.status, wrong.reward, right.status, right.reward) == (Status.COMPLETED, 0.0, Status.COMPLETED, 1.0)
     assert list(right.calls[0].prompt_ids) == [VOCAB.bos, *VOCAB.encode("2+2=")]

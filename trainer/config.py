@@ -6,7 +6,7 @@
 ```yaml
 model:  {kind: tiny, tiny: {vocab: 64, d_model: 64, n_layers: 2, n_heads: 4, max_positions: 64}}
 optimizer: {type: AdamW, lr: 0.001, weight_decay: 0.0, betas: [0.9, 0.999]}
-zero_stage: 1           # 0 (plain data parallel), 1 or 2
+zero_stage: 1           # 0 (plain data parallel), 1, 2 or 3 (parameters partitioned)
 gradient_clipping: 1.0
 backend: auto           # gloo on CPU, nccl on GPU
 device: auto            # cuda when available, else cpu
@@ -110,7 +110,7 @@ class TrainerConfig(_Model):
 
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
-    zero_stage: Literal[0, 1, 2] = 1
+    zero_stage: Literal[0, 1, 2, 3] = 1
     gradient_clipping: float = Field(1.0, ge=0, description="max global grad norm; 0: off")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

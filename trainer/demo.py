@@ -62,7 +62,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=1,
                    help="tokens per completion (1: the answer's length, see the module docstring)")
     p.add_argument("--slots", type=int, default=8, help="concurrent sessions of the rollout consumer")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=1)
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and sampling seed")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p.parse_args(argv)

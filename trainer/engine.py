@@ -14,15 +14,21 @@ cached under ~/.cache/torch_extensions).
 
 The DeepSpeed config is generated: one micro-batch per step (the trainer hands it the whole
 packed `[rows, width]` batch; the loss is a token mean), the optimizer (torch
-implementations), ZeRO stage 0/1/2, gradient clipping; `config.deepspeed` is merged over it
+implementations), ZeRO stage 0/1/2/3, gradient clipping; `config.deepspeed` is merged over it
 (nested dicts merged key by key).
+
+Under ZeRO-3 each rank holds only its partition of every parameter; forward passes gather
+them through DeepSpeed's module hooks, but a weight push needs them whole. `full_weights`
+gathers them, on every rank (a collective), for as long as the push takes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -104,6 +110,11 @@ def build_engine(config: TrainerConfig, model: nn.Module | None = None) -> Any:
     init_distributed(backend)
     import deepspeed  # after DS_ACCELERATOR is set
 
+    # DeepSpeed's ZeRO-3 calls torch.distributed collectives that torch has renamed; the
+    # warning would repeat on every step, through the progress output
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                            category=FutureWarning)
+
     torch.manual_seed(config.seed)
     model = build_model(config) if model is None else model
     engine, _, _, _ = deepspeed.initialize(
@@ -112,3 +123,20 @@ def build_engine(config: TrainerConfig, model: nn.Module | None = None) -> Any:
     log.info("DeepSpeed engine: ZeRO stage %d, %s, %s on %s", config.zero_stage,
              config.optimizer.type, backend, engine.device)
     return engine
+
+
+@contextmanager
+def full_weights(variables: Any) -> Iterator[Any]:
+    """`variables` (a module, an engine, or anything else) with its ZeRO-3 partitioned
+    parameters gathered whole while the block runs, then partitioned again. Every rank must
+    enter it together (the gather is a collective); without partitioned parameters (ZeRO
+    0/1/2, a state dict) it does nothing and needs no peer."""
+    module = getattr(variables, "module", variables)
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")] if isinstance(module, nn.Module) else []
+    if not params:
+        yield variables
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield variables

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pipeline.config import ConfigError
 from pipeline.keys import Keys
 from pipeline.metrics import Metrics, serving
 from pipeline.redis_io import connect
@@ -62,6 +63,17 @@ def batches(data: DataConfig, shard: int, shards: int, start: int = 0) -> Iterat
         step += 1
 
 
+def data_env(data: DataConfig) -> Any:
+    """The environment `data.env` names, built with `data.env_args` (a prompt set reads its
+    file here); what it refuses is a `ConfigError` naming `data.env_args`."""
+    from consumers.sources.envs import ENVS
+
+    try:
+        return ENVS[data.env](**data.env_args)
+    except (TypeError, ValueError, OSError, KeyError) as exc:
+        raise ConfigError(f"data.env_args: {data.env} refused {data.env_args!r}: {exc}") from exc
+
+
 def _publisher(config: RunConfig, r: Any, keys: Keys) -> Any:
     from producers.publishers import DirectoryPublisher, RedisPublisher
 
@@ -75,7 +87,6 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
         metrics: Metrics | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Train as the module docstring says; returns the steps trained in all (the data
     position at exit)."""
-    from consumers.sources.envs import ENVS
     from trainer.engine import build_engine
     from trainer.loop import StepRecord, TimedPublisher, train
     from trainer.objective import GRPOObjective
@@ -83,6 +94,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
     from trainer.rollout_scheduler import RolloutScheduler
 
     stop = stop if stop is not None else threading.Event()
+    env = data_env(config.data)  # before the engine: a bad data section fails at once
     engine = build_engine(config.trainer)
     rank, world = dist.get_rank(), dist.get_world_size()
     pool = Pool(share=config.share, timeout_s=config.step_timeout_s + 600) if world > 1 else None
@@ -100,7 +112,6 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
         log.warning("the checkpoint is at step %d of %d: nothing left to train", start, config.steps)
         return start
 
-    env = ENVS[config.data.env](**config.data.env_args)
     objective = GRPOObjective(**config.objective.model_dump())
     with ExitStack() as stack:
         r = connect(config.redis)

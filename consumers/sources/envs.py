@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -238,5 +238,13 @@ class GuessEpisode:
         return None
 
 
-ENVS: Mapping[str, type] = {"arithmetic": ArithmeticEnv, "guess": GuessEnv}
-"""Environments by name, for a `PolicySource(env="guess", env_args={...})` built from config."""
+def _prompt_set(**args: Any) -> Any:
+    from consumers.sources.prompts import PromptSet  # it builds on this module
+
+    return PromptSet(**args)
+
+
+ENVS: Mapping[str, Callable[..., Any]] = {"arithmetic": ArithmeticEnv, "guess": GuessEnv, "prompts": _prompt_set}
+"""Environments by name, for a `PolicySource(env="guess", env_args={...})` built from config;
+`prompts` is `consumers.sources.prompts.PromptSet` (`env_args: {prompts: FILE.jsonl,
+verifier: exact|partial}`), a prompt set of your own."""

@@ -16,8 +16,9 @@ from pipeline.config import ConfigError, build
 from pipeline.redis_io import connect
 from producers.publishers import RedisPublisher
 from trainer.config import TrainerConfig
-from trainer.engine import build_engine, deepspeed_config
+from trainer.engine import build_engine, deepspeed_config, full_weights
 from trainer.loop import TimedPublisher, train
+from trainer.model import TinyTransformer
 from trainer.objective import GRPOObjective
 from trainer.rollout_scheduler import RolloutScheduler
 
@@ -33,7 +34,7 @@ def config(**over):
 
 def test_config_is_strict_and_generates_the_deepspeed_config():
     with pytest.raises(ConfigError, match="zero_stage"):
-        build(TrainerConfig, {"zero_stage": 3})
+        build(TrainerConfig, {"zero_stage": 4})
     with pytest.raises(ConfigError, match="lr"):
         build(TrainerConfig, {"optimizer": {"lr": "1e-3"}})  # strict: no coercion
     with pytest.raises(ConfigError, match="zero: Extra"):
@@ -46,15 +47,25 @@ def test_config_is_strict_and_generates_the_deepspeed_config():
     assert ds["train_micro_batch_size_per_gpu"] == 1
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+def whole(engine):
+    with full_weights(engine):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_engine_steps_at_each_zero_stage(stage):
     engine = build_engine(config(zero_stage=stage))
-    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    before = whole(engine)
+    assert before["embed.weight"].shape == (VOCAB.size, 16)  # gathered whole under ZeRO-3
+    assert torch.equal(before["embed.weight"], TinyTransformer(config().model.tiny.build()).embed.weight)
     ids = torch.randint(0, VOCAB.size, (2, 8))
     loss = engine(ids).float().logsumexp(-1).mean()
     engine.backward(loss)
     engine.step()
-    assert any(not torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    after = whole(engine)
+    assert any(not torch.equal(before[k], v) for k, v in after.items())
+    if stage == 3:  # partitioned again outside the block
+        assert engine.module.embed.weight.numel() == 0
 
 
 def test_a_local_hugging_face_model_directory_trains_and_matches_the_rollout_side(tmp_path):

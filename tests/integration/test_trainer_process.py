@@ -9,13 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from consumers.weights import RedisWeights, decode
 from pipeline import wire
 from pipeline.config import build
 from pipeline.keys import Keys
 from trainer.config import RunConfig
 from trainer.local import LocalRun
 from trainer.main import batches
+from trainer.model import TinyTransformer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,7 +79,11 @@ def finish(run: LocalRun, timeout_s: float = 240.0) -> list[int]:
 
 @SERVER
 def test_two_ranks_train_their_own_shards_and_one_publishes(tmp_path, redis_config, r, keys):
-    config = run_config(redis_config, tmp_path, steps=3)
+    # ZeRO-3: each rank holds half of every parameter (none kept whole, however small); the
+    # push gathers them on both ranks
+    trainer = {**run_config(redis_config, tmp_path).trainer.model_dump(mode="json"), "zero_stage": 3,
+               "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    config = run_config(redis_config, tmp_path, steps=3, trainer=trainer)
     run = LocalRun(config, tmp_path, ranks=2, consumers=1, slots=8)
     run.start()
     codes = finish(run)
@@ -93,6 +100,12 @@ def test_two_ranks_train_their_own_shards_and_one_publishes(tmp_path, redis_conf
         assert [row["pushed"] for row in rows] == [None, 1, 2]
         assert all(row["publisher"] == (rank == 0) for row in rows)
     assert weight_versions(r, keys)[-1] == 2
+    # what rank 0 published is the whole model, not its partition: it loads strictly into one
+    published = RedisWeights(r, keys)
+    tensors = decode(*published.fetch(2), 2, published.location(2))
+    model = TinyTransformer(config.trainer.model.tiny.build())
+    model.load_state_dict(tensors, strict=True)
+    assert not torch.equal(tensors["embed.weight"], TinyTransformer(config.trainer.model.tiny.build()).embed.weight)
 
 
 @SERVER

@@ -2,12 +2,16 @@
 named; the task stream is a pure function of the step (the checkpointed data position)."""
 
 import itertools
+import json
 
 import pytest
 
 from pipeline.config import ConfigError, build
 from trainer.config import RunConfig
-from trainer.main import batches
+from consumers.sources.policy import PolicySource
+from consumers.sources.prompts import PromptSet
+from pipeline.sessions import Status
+from trainer.main import batches, data_env
 
 
 @pytest.mark.parametrize("data, field", [
@@ -18,7 +22,7 @@ from trainer.main import batches
     ({"steps": 0}, "steps"),
     ({"share": 0}, "share"),
     ({"scheduler": {"groups": "8"}}, "scheduler.groups"),
-    ({"trainer": {"zero_stage": 3}}, "trainer.zero_stage"),
+    ({"trainer": {"zero_stage": 4}}, "trainer.zero_stage"),
     ({"objective": {"eps_low": 1.5}}, "objective.eps_low"),
     ({"steps": 3, "stpes": 4}, "stpes"),
 ])
@@ -48,3 +52,35 @@ def test_a_yaml_file_reads_exponent_floats_as_numbers(tmp_path):
     path.write_text("trainer:\n  optimizer: {lr: 1e-06}\nobjective: {importance_cap: 2E+0}\n")
     config = load(RunConfig, path)
     assert config.trainer.optimizer.lr == 1e-06 and config.objective.importance_cap == 2.0
+
+
+def test_a_prompt_file_is_the_data_of_the_trainer_and_of_the_consumers(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in [{"prompt": "2+3=", "answer": "5"},
+                                                      {"prompt": "c:7=", "answer": "7"}]) + "\n")
+    data = build(RunConfig, {"data": {"env": "prompts", "env_args": {"prompts": str(path)},
+                                      "batch_size": 3}}).data
+    env = data_env(data)
+    assert isinstance(env, PromptSet)
+    tasks = env.tasks(next(batches(data, 0, 1)))  # task i is row i mod 2, in its payload
+    assert [(t.id, t.payload["prompt"]) for t in tasks] == [("0", "2+3="), ("1", "c:7="), ("2", "2+3=")]
+    # a consumer's source built from the same section runs those tasks
+    from tests.unit.test_policy_sources import CONFIG, request
+
+    source = PolicySource(env=data.env, env_args=data.env_args, model_config=CONFIG,
+                          max_new_tokens=2, seed=0)
+    session = source.run(request("1"))
+    assert session.status in (Status.COMPLETED, Status.TRUNCATED) and len(session.calls) == 1
+    assert list(session.calls[0].prompt_ids)[1:] == env.vocab.encode("c:7=")
+
+
+@pytest.mark.parametrize("env_args, reason", [
+    ({"prompts": "/nonexistent/train.jsonl"}, "No such file"),
+    ({"prompts": [{"question": "?"}]}, "needs 'prompt' and 'answer'"),
+    ({"prompts": [{"prompt": "1", "answer": "1"}], "verifier": "fuzzy"}, "fuzzy"),
+    ({"prompt": "x"}, "unexpected keyword"),
+])
+def test_a_data_section_the_environment_refuses_names_data_env_args(env_args, reason):
+    data = build(RunConfig, {"data": {"env": "prompts", "env_args": env_args}}).data
+    with pytest.raises(ConfigError, match=f"data.env_args: prompts refused .*{reason}"):
+        data_env(data)

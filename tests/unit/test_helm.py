@@ -67,6 +67,11 @@ PROD = {
 }
 
 
+# one ACL user per role: the consumer its own user and Secret, the trainer its own user (the
+# shared Secret), the admission consumer the shared user
+ROLES = {"redis": {"external": {"roles": {
+    "consumer": {"username": "rs-consumer", "existingSecret": "redis-consumer", "existingSecretPasswordKey": "pw"},
+    "trainer": {"username": "rs-trainer"}}}}}
 SHARED = {"trainer": {"ranks": 8, "share": 2, "gpu": {"count": 1}}}  # 4 shards of 2 ranks
 ONE_RANK_CLAIM = {"trainer": {"persistence": {"enabled": True}}}  # one rank, a claim from the template
 
@@ -146,8 +151,10 @@ def prod_docs(chart) -> list[dict]:
 # ------------------------------------------------------------------------------ lint and schemas
 
 
-@pytest.mark.parametrize("values", [None, PROD], ids=["default", "production"])
+@pytest.mark.parametrize("values", [None, PROD, "roles"], ids=["default", "production", "roles"])
 def test_lint_is_clean(values):
+    if values == "roles":
+        values = merged(PROD, ROLES)
     report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")
     assert report["errors"] == [], report["messages"]
     assert not [m for m in report["messages"] if m["severity"] >= 2], report["messages"]
@@ -191,9 +198,10 @@ def _check_crd(doc: dict) -> None:
      "redis": {"auth": {"enabled": False}}, "trainer": {"gpu": {"count": 0}}},
     SHARED,
     ONE_RANK_CLAIM,
-], ids=["default", "production", "hpa-podmonitor", "keda-lag-minimal", "shares", "one-rank-claim"])
+    "roles",
+], ids=["default", "production", "hpa-podmonitor", "keda-lag-minimal", "shares", "one-rank-claim", "roles"])
 def test_every_manifest_validates(chart, values):
-    docs = documents(render(chart, values))
+    docs = documents(render(chart, merged(PROD, ROLES) if values == "roles" else values))
     assert docs
     for doc in docs:
         if doc["kind"] in CRDS:
@@ -347,6 +355,30 @@ def test_production_topology(prod_docs):
     selected = [s for s in find(prod_docs, "Service")
                 if all(s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())]
     assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected} == {"consumer", "admission", "trainer"}
+
+
+def test_each_role_connects_as_its_own_redis_user(chart, prod_docs):
+    docs = documents(render(chart, merged(PROD, ROLES)))
+    files = config_files(docs)
+    assert {role: files[f"{role}.json"]["redis"]["username"] for role in ("consumer", "admission", "trainer")} == {
+        "consumer": "rs-consumer", "admission": "rollstream", "trainer": "rs-trainer"}
+
+    def credentials(doc: dict) -> tuple[str | None, dict]:
+        e = env(container(doc))
+        return e.get("ROLLSTREAM_REDIS_USERNAME", {}).get("value"), e["ROLLSTREAM_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+
+    assert credentials(one(docs, "Deployment", "consumer")) == ("rs-consumer", {"name": "redis-consumer", "key": "pw"})
+    assert credentials(one(docs, "StatefulSet", "trainer")) == ("rs-trainer", {"name": "redis-creds", "key": "password"})
+    assert credentials(one(docs, "StatefulSet", "admission")) == ("rollstream", {"name": "redis-creds", "key": "password"})
+    test = env(container(one(docs, "Pod", "test")))  # helm test: the admission role's user
+    assert test["REDIS_USER"]["value"] == "rollstream"
+    assert test["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == {"name": "redis-creds", "key": "password"}
+    # KEDA reads the consumer container's env: the consumer role's user
+    for trigger in one(docs, "ScaledObject", "consumer")["spec"]["triggers"]:
+        assert trigger["metadata"]["usernameFromEnv"] == "ROLLSTREAM_REDIS_USERNAME"
+    # without roles every component shares redis.external's user
+    shared = config_files(prod_docs)
+    assert {shared[f"{role}.json"]["redis"]["username"] for role in ("consumer", "admission", "trainer")} == {"rollstream"}
 
 
 def test_admission_shard_is_the_pod_ordinal(prod_docs):

@@ -156,13 +156,36 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
-{{/* The `redis:` section of every config file (pipeline/config.py RedisConfig). */}}
+{{/*
+The Redis user, password Secret and key of a role (admission, consumer, trainer), as YAML
+{username, secret, key}: redis.external.roles.<role>, each field falling back to the shared
+redis.external one (docs/security.md: one ACL user per role). The in-chart Redis has one
+password and no users. Called with (dict "ctx" . "role" "consumer").
+*/}}
+{{- define "rollstream.redis.credentials" -}}
+{{- $ctx := .ctx -}}
+{{- $user := include "rollstream.redis.username" $ctx -}}
+{{- $secret := include "rollstream.redis.secretName" $ctx -}}
+{{- $key := include "rollstream.redis.secretKey" $ctx -}}
+{{- if not $ctx.Values.redis.enabled -}}
+{{- $role := get (default (dict) $ctx.Values.redis.external.roles) .role | default (dict) -}}
+{{- $user = get $role "username" | default $user -}}
+{{- $secret = get $role "existingSecret" | default $secret -}}
+{{- $key = get $role "existingSecretPasswordKey" | default $key -}}
+{{- end -}}
+{{- toYaml (dict "username" $user "secret" $secret "key" $key) -}}
+{{- end -}}
+
+{{/* The `redis:` section of a role's config file (pipeline/config.py RedisConfig); called
+with (dict "ctx" . "role" "consumer"). */}}
 {{- define "rollstream.redis.config" -}}
-{{- $c := dict "url" (include "rollstream.redis.url" .) "namespace" .Values.run.namespace "socket_timeout_s" .Values.redis.socket_timeout_s -}}
-{{- $_ := set $c "username" ((include "rollstream.redis.username" .) | default nil) -}}
-{{- $_ := set $c "password_env" (ternary "ROLLSTREAM_REDIS_PASSWORD" nil (ne (include "rollstream.redis.secretName" .) "")) -}}
+{{- $ctx := .ctx -}}
+{{- $cred := include "rollstream.redis.credentials" . | fromYaml -}}
+{{- $c := dict "url" (include "rollstream.redis.url" $ctx) "namespace" $ctx.Values.run.namespace "socket_timeout_s" $ctx.Values.redis.socket_timeout_s -}}
+{{- $_ := set $c "username" ($cred.username | default nil) -}}
+{{- $_ := set $c "password_env" (ternary "ROLLSTREAM_REDIS_PASSWORD" nil (ne $cred.secret "")) -}}
 {{- $_ := set $c "password_file" nil -}}
-{{- $_ := set $c "tls_ca_file" ((include "rollstream.redis.tlsCaFile" .) | default nil) -}}
+{{- $_ := set $c "tls_ca_file" ((include "rollstream.redis.tlsCaFile" $ctx) | default nil) -}}
 {{- toYaml $c -}}
 {{- end -}}
 
@@ -190,26 +213,26 @@ app.kubernetes.io/component: {{ .component }}
 checksum/config: {{ include (print .Template.BasePath "/config/configmap.yaml") . | sha256sum }}
 {{- end -}}
 
-{{/* Environment every rollstream container gets. */}}
+{{/* Environment every rollstream container gets, with its role's Redis credentials;
+called with (dict "ctx" . "role" "consumer"). */}}
 {{- define "rollstream.env" -}}
+{{- $cred := include "rollstream.redis.credentials" . | fromYaml -}}
 - name: HOME
   value: /tmp
 - name: POD_NAME
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
-{{- $secret := include "rollstream.redis.secretName" . }}
-{{- if $secret }}
+{{- if $cred.secret }}
 - name: ROLLSTREAM_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ $secret }}
-      key: {{ include "rollstream.redis.secretKey" . }}
+      name: {{ $cred.secret }}
+      key: {{ $cred.key }}
 {{- end }}
-{{- $user := include "rollstream.redis.username" . }}
-{{- if $user }}
+{{- if $cred.username }}
 - name: ROLLSTREAM_REDIS_USERNAME
-  value: {{ $user | quote }}
+  value: {{ $cred.username | quote }}
 {{- end }}
 {{- end -}}
 

@@ -19,11 +19,11 @@ checkpoint: the next call pushes the trainer's weights under a version past any 
 
 Each call pushes the weights through `weights.load(variables, version)` when the served
 version has fallen `sync_every` updates behind (every process of a pool first gathers
-ZeRO-3 partitioned parameters whole: `trainer.engine.full_weights`), announces the version on the weights
-stream (with the location, digest and size `load` returns, if it returns them; see
-`producers.publishers`), hands the step over, waits on the ready stream, logs a
-`SchedulerRecord` (with `waited`, the seconds this call waited) and returns the packed rows
-as `Rows`.
+ZeRO-3 partitioned parameters whole: `trainer.engine.full_weights`), announces the
+version on the weights stream (with the location, digest and size `load` returns, if it
+returns them; see `producers.publishers`), hands the step over, waits on the ready stream,
+logs a `SchedulerRecord` (with `waited`, the seconds this call waited) and returns the
+packed rows as `Rows`.
 """
 
 from __future__ import annotations

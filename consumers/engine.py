@@ -68,71 +68,12 @@ from aiohttp import web
 from torch import nn
 
 from consumers.http import BadRequest, bad_requests, field, json_body, sse_response
-from consumers.sources.envs import VOCAB, Vocab
+from consumers.tokenizers import CharTokenizer, HFTokenizer, has_tokenizer
 from consumers.sources.policy import _last_logits, build_model
 
 log = logging.getLogger(__name__)
 
 MAX_N = 16
-
-
-# ----------------------------------------------------------------------------- tokenizers
-
-
-class CharTokenizer:
-    """`VOCAB` (characters and `<word>` tokens) over a model of `size` ids; an id without a
-    token is written `<tNN>` and read back, so any completion round-trips exactly."""
-
-    def __init__(self, vocab: Vocab = VOCAB, size: int | None = None) -> None:
-        self.vocab, self.size = vocab, size or vocab.size
-        self.eos, self.bos = vocab.eos, vocab.bos
-
-    def encode(self, text: str) -> list[int]:
-        out = []
-        for piece in re.findall(r"<[a-z]+>|<t\d+>|.", text, flags=re.DOTALL):
-            m = re.fullmatch(r"<t(\d+)>", piece)
-            if m and int(m.group(1)) < self.size:
-                out.append(int(m.group(1)))
-            elif piece in self.vocab.ids:
-                out.append(self.vocab.ids[piece])
-            else:
-                raise ValueError(f"{piece!r} is not in the vocabulary")
-        return out
-
-    def decode(self, ids: Sequence[int]) -> str:
-        tokens = self.vocab.tokens
-        return "".join(tokens[i] if i < len(tokens) else f"<t{i}>" for i in ids)
-
-    def chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        ids = [self.bos]
-        for m in messages:
-            ids += self.encode(m["content"])
-            if m["role"] == "assistant":
-                ids.append(self.eos)
-        return ids
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer read from a local directory; its chat template when it has one."""
-
-    def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        if self.tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer at {path} has no eos token")
-        self.eos = int(self.tok.eos_token_id)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids))
-
-    def chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        if getattr(self.tok, "chat_template", None):
-            return list(self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
-        return self.encode("".join(m["content"] for m in messages))
 
 
 # ----------------------------------------------------------------------------- models
@@ -155,8 +96,7 @@ def _model_from_path(path: Path) -> tuple[nn.Module, Any]:
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
     else:
         model = build_model(config)
-    has_tokenizer = any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
-    return model, HFTokenizer(path) if has_tokenizer else None
+    return model, HFTokenizer(path) if has_tokenizer(path) else None
 
 
 def build(spec: str) -> Engine:

@@ -74,10 +74,19 @@ class Vocab:
 
     def until_eos(self, ids: Sequence[int]) -> tuple[list[int], bool]:
         """The ids before the first `<eos>`, and whether there was one."""
-        ids = list(ids)
-        if self.eos in ids:
-            return ids[:ids.index(self.eos)], True
-        return ids, False
+        return until(ids, self.eos)
+
+    def prompt(self, text: str) -> list[int]:
+        """A single-turn prompt: `<bos>` and the text."""
+        return [self.bos, *self.encode(text)]
+
+
+def until(ids: Sequence[int], eos: int) -> tuple[list[int], bool]:
+    """The ids before the first `eos`, and whether there was one."""
+    ids = list(ids)
+    if eos in ids:
+        return ids[:ids.index(eos)], True
+    return ids, False
 
 
 VOCAB = Vocab()

@@ -5,8 +5,11 @@
 
 Task `i` (`task_ids` row i) is prompt `i mod len(prompts)`; a task whose payload carries
 `prompt` and `answer` is that problem instead. One completion per session: the prompt is
-`<bos>` and the encoded prompt text (`envs.VOCAB`), the completion ends at `<eos>`, and the
-verifier scores the text before it against the answer: `exact` (1 or 0) or `partial` (the
+`<bos>` and the encoded prompt text (`envs.VOCAB`), or with `tokenizer=DIR` (a local Hugging
+Face tokenizer; `PromptSetSource` takes the model directory's own when `model_config` is one
+that holds a tokenizer) the tokenizer's chat template for a user turn, or its bos and the
+text when it has no template; the completion ends at eos, and the verifier scores the text
+before it against the answer: `exact` (1 or 0) or `partial` (the
 share of characters right in place, `envs.score`), or any `verifier(answer, said) -> [0, 1]`.
 A completion cut at `max_new_tokens` is TRUNCATED and still scored (for `truncation="score"`).
 """
@@ -50,9 +53,15 @@ class PromptSet(_EnvBase):
     """A single-turn environment over a prompt set (module docstring)."""
 
     def __init__(self, prompts: Any, *, verifier: str | Callable[[str, str], float] = "exact",
-                 vocab: Vocab = VOCAB) -> None:
+                 vocab: Vocab = VOCAB, tokenizer: str | os.PathLike[str] | None = None) -> None:
         self.prompts = read_prompts(prompts)
+        if isinstance(verifier, str) and verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r}")
         self.verifier = VERIFIERS[verifier] if isinstance(verifier, str) else verifier
+        if tokenizer is not None:
+            from consumers.tokenizers import HFTokenizer
+
+            vocab = HFTokenizer(tokenizer)
         self.vocab = vocab
         for p in self.prompts:  # refuse text the vocabulary cannot encode, up front
             vocab.encode(p["prompt"])
@@ -69,14 +78,18 @@ class PromptSet(_EnvBase):
 
     def start(self, task: Task) -> Episode:
         p = self.problem(task)
-        return AnswerEpisode(self.vocab, [self.vocab.bos, *self.vocab.encode(p["prompt"])], p["answer"],
-                             self.verifier)
+        return AnswerEpisode(self.vocab, self.vocab.prompt(p["prompt"]), p["answer"], self.verifier)
 
 
 class PromptSetSource(PolicySource):
     """`PolicySource` over a `PromptSet`: one completion per session (`max_turns=1`)."""
 
     def __init__(self, *, prompts: Any, verifier: str | Callable[[str, str], float] = "exact",
-                 **policy: Any) -> None:
+                 tokenizer: str | os.PathLike[str] | None = None, **policy: Any) -> None:
+        from consumers.tokenizers import has_tokenizer
+
         policy.setdefault("max_turns", 1)
-        super().__init__(env=PromptSet(prompts, verifier=verifier), **policy)
+        model = policy.get("model_config")
+        if tokenizer is None and isinstance(model, (str, os.PathLike)) and has_tokenizer(model):
+            tokenizer = model  # a Hugging Face model directory speaks its own tokenizer
+        super().__init__(env=PromptSet(prompts, verifier=verifier, tokenizer=tokenizer), **policy)

@@ -188,3 +188,56 @@ def test_a_hugging_face_config_builds_the_policy():
     with torch.no_grad():
         logp = next_token_log_probs(model(input_ids=ids).logits, ids, temperature=0.8)[0]
     assert torch.allclose(torch.as_tensor(call.logprobs), logp[len(call.prompt_ids):], atol=1e-5)
+
+
+def write_char_tokenizer(path):
+    """A character-level Hugging Face tokenizer (bos <s>, eos </s>) saved to `path`, built
+    offline with the `tokenizers` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "0123456789+=: abcdefghijklmnopqrstuvwxyz"
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(["<pad>", "<s>", "</s>", *chars])},
+                               merges=[], unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def test_a_prompt_set_speaks_the_tokenizer_of_a_hugging_face_model_directory(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model_dir = tmp_path / "model"
+    fast = write_char_tokenizer(model_dir)
+    config = transformers.GPT2Config(vocab_size=len(fast), n_layer=1, n_head=2, n_embd=16, n_positions=32,
+                                     bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    prompts = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "c:7=", "answer": "7"}]
+    source = PromptSetSource(prompts=prompts, model_config=str(model_dir), max_new_tokens=3, seed=0)
+    env = source.env
+    assert (env.vocab.size, env.vocab.bos, env.vocab.eos) == (len(fast), fast.bos_token_id, fast.eos_token_id)
+    episode = env.start(Task("0"))
+    assert episode.prompt == [fast.bos_token_id, *fast.encode("2+3=", add_special_tokens=False)]
+    five, four = fast.encode("5", add_special_tokens=False), fast.encode("4", add_special_tokens=False)
+    assert episode.step([*five, fast.eos_token_id]).reward == 1.0
+    assert episode.step([*four, fast.eos_token_id]).reward == 0.0
+    for task in ("0", "1", "2", "3"):  # sessions sample the model and score its text
+        session = source.run(request(task))
+        (call,) = session.calls
+        assert list(call.prompt_ids) == env.start(Task(task)).prompt
+        said, _ = env.vocab.until_eos(call.completion_ids)
+        answer = prompts[int(task) % 2]["answer"]
+        assert session.reward == float(fast.decode(said).strip() == answer)
+        ids = torch.cat([torch.as_tensor(call.prompt_ids), torch.as_tensor(call.completion_ids)]).long()[None]
+        with torch.no_grad():
+            logp = next_token_log_probs(source._free[0].model(input_ids=ids).logits, ids, temperature=1.0)[0]
+        assert torch.allclose(torch.as_tensor(call.logprobs), logp[len(call.prompt_ids):], atol=1e-5)
+    # the same from config: the prompts environment with a tokenizer directory
+    named = PolicySource(env="prompts", env_args={"prompts": prompts, "tokenizer": str(model_dir)},
+                         model_config=str(model_dir), max_new_tokens=2, seed=0)
+    assert named.env.start(Task("1")).prompt == [fast.bos_token_id, *fast.encode("c:7=", add_special_tokens=False)]
+    with pytest.raises(ValueError, match="no tokenizer at"):
+        PromptSetSource(prompts=prompts, tokenizer=str(tmp_path), model_config=CONFIG)
+    with pytest.raises(ValueError, match="verifier must be one of"):
+        PromptSetSource(prompts=prompts, verifier="fuzzy", model_config=CONFIG)

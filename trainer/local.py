@@ -51,10 +51,15 @@ class LocalRun:
         weights: dict[str, Any] = ({"directory": config.publisher.path}
                                    if config.publisher.kind == "directory" else {"redis": redis})
         model = config.trainer.model
-        if model.kind != "tiny":
-            raise ValueError("LocalRun's PolicySource consumers run the tiny model")
+        if model.kind == "tiny":
+            model_config: Any = model.tiny.model_dump()
+        elif model.path:
+            model_config = model.path
+        else:
+            raise ValueError("LocalRun's PolicySource consumers run the tiny model or a model directory "
+                             "(trainer.model.path)")
         args = {"env": config.data.env, "env_args": dict(config.data.env_args),
-                "model_config": model.tiny.model_dump(), "temperature": config.objective.temperature,
+                "model_config": model_config, "temperature": config.objective.temperature,
                 "max_new_tokens": max_new_tokens, "weights": weights, "seed": config.trainer.seed}
         self.consumer_file = self._write("consumer", ConsumerConfig, {
             "redis": redis, "slots": slots, "block_ms": 100, "lease_s": 10.0, "grace_s": 5.0,

@@ -1,5 +1,6 @@
-"""`rollstream trainer` as processes: two ranks agreeing in a pool, first_reader_batch,
-and checkpoint/resume that neither drops nor repeats a task."""
+"""`rollstream trainer` as processes: two ranks agreeing in a pool (under ZeRO-3),
+first_reader_batch, checkpoint/resume that neither drops nor repeats a task, and a Hugging
+Face model directory trained on a prompt file with its own tokenizer."""
 
 from __future__ import annotations
 
@@ -206,3 +207,51 @@ def test_sigterm_stops_after_the_step_checkpoints_and_exits_zero(tmp_path, redis
     done = len(records(tmp_path))
     assert 2 <= done < 50
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step{done:08d}"
+
+
+@EMBEDDED
+def test_a_hugging_face_model_directory_trains_on_a_prompt_file_with_its_own_tokenizer(
+        tmp_path, redis_config, r, keys):
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.test_policy_sources import write_char_tokenizer
+
+    model_dir = tmp_path / "model"
+    fast = write_char_tokenizer(model_dir)
+    hf = transformers.GPT2Config(vocab_size=len(fast), n_layer=1, n_head=2, n_embd=16, n_positions=32,
+                                 bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(hf).save_pretrained(model_dir)
+    prompts = [{"prompt": f"c:{d}=", "answer": str(d)} for d in range(10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    trainer = {**run_config(redis_config, tmp_path).trainer.model_dump(mode="json"),
+               "model": {"kind": "hf", "path": str(model_dir)}}
+    config = run_config(redis_config, tmp_path, steps=3, trainer=trainer, data={
+        "env": "prompts", "env_args": {"prompts": str(tmp_path / "train.jsonl"), "tokenizer": str(model_dir)},
+        "batch_size": BATCH})
+    run = LocalRun(config, tmp_path, ranks=1, consumers=1, slots=8, admission={"trim_every_s": 3600.0})
+    run.start()
+    codes = finish(run)
+    assert codes == [0], run.logs()
+    rows = records(tmp_path)
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    for row in rows:
+        assert sorted(row["tasks"], key=int) == expected_tasks(config, row["step"], 0, 1)
+    # the consumer encoded the prompts with the model's tokenizer: every trained chain's
+    # prompt is <s> and a line of the file in that tokenizer's ids
+    expected = {tuple([fast.bos_token_id, *fast.encode(p["prompt"], add_special_tokens=False)]) for p in prompts}
+    seen = 0
+    for _, fields in r.xrange(keys.ready(0)):
+        a = wire.from_fields(fields, wire.Ready).arrays
+        for row in range(a["tokens"].shape[0]):
+            for segment in set(a["segments"][row].tolist()) - {0}:  # 0: padding
+                at = (a["segments"][row] == segment) & ~a["loss_mask"][row]
+                assert tuple(a["tokens"][row][at].tolist()) in expected
+                seen += 1
+    assert seen >= 3 * BATCH * GROUPS
+    # the pushed version is the whole HF model, trained
+    published = RedisWeights(r, keys)
+    tensors = decode(*published.fetch(2), 2, published.location(2))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(tensors, strict=True)
+    assert any(not torch.equal(initial[k], tensors[k]) for k in tensors)

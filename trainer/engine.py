@@ -18,17 +18,17 @@ implementations), ZeRO stage 0/1/2/3, gradient clipping; `config.deepspeed` is m
 (nested dicts merged key by key).
 
 Under ZeRO-3 each rank holds only its partition of every parameter; forward passes gather
-them through DeepSpeed's module hooks, but a weight push needs them whole. `full_weights`
-gathers them, on every rank (a collective), for as long as the push takes.
+them through DeepSpeed's module hooks, but a weight push needs them whole: `whole_weights`
+gathers them one at a time, every rank taking part, into CPU copies on the publishing rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -125,18 +125,26 @@ def build_engine(config: TrainerConfig, model: nn.Module | None = None) -> Any:
     return engine
 
 
-@contextmanager
-def full_weights(variables: Any) -> Iterator[Any]:
-    """`variables` (a module, an engine, or anything else) with its ZeRO-3 partitioned
-    parameters gathered whole while the block runs, then partitioned again. Every rank must
-    enter it together (the gather is a collective); without partitioned parameters (ZeRO
-    0/1/2, a state dict) it does nothing and needs no peer."""
+def whole_weights(variables: Any, *, keep: bool = True) -> Any:
+    """What a weight push publishes. Without partitioned parameters (ZeRO 0/1/2, a state
+    dict) that is `variables` itself. Under ZeRO-3 it is a state dict of CPU copies, every
+    key of `module.state_dict()` (tied weights under each of their names), gathered one
+    parameter at a time, so no device ever holds more than one whole parameter beyond its
+    partition. Every rank must call it (each gather is a collective); only where `keep` is
+    true (the publishing rank) are the copies made, elsewhere it returns None."""
     module = getattr(variables, "module", variables)
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")] if isinstance(module, nn.Module) else []
-    if not params:
-        yield variables
-        return
+    if not isinstance(module, nn.Module) or not any(hasattr(p, "ds_id") for p in module.parameters()):
+        return variables
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        yield variables
+    copies: dict[int, torch.Tensor | None] = {}  # by identity: a tied weight is gathered once
+    names: dict[str, int] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        names[name] = id(tensor)
+        if id(tensor) in copies:
+            continue
+        gathered = (deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
+                    if hasattr(tensor, "ds_id") else contextlib.nullcontext())  # buffers are whole
+        with gathered:
+            copies[id(tensor)] = tensor.detach().to("cpu", copy=True) if keep else None
+    return {name: copies[i] for name, i in names.items()} if keep else None

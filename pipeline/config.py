@@ -203,6 +203,20 @@ _Loader.add_implicit_resolver(
 
 def load(model: type[M], path: str | os.PathLike[str]) -> M:
     """Read a YAML or JSON file into `model`."""
+    return build(model, _read(path))
+
+
+def load_redis_section(path: str | os.PathLike[str]) -> RedisConfig:
+    """The `redis` section of any process's config file (`rollstream status --config`,
+    `rollstream engine --redis-config`): who to connect as, where and in which namespace."""
+    section = _read(path).get("redis", {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"config {path}: redis must be a mapping, got {type(section).__name__}")
+    return build(RedisConfig, section)
+
+
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The top-level mapping of a YAML or JSON file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -218,4 +232,4 @@ def load(model: type[M], path: str | os.PathLike[str]) -> M:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config {p} must be a mapping at the top level, got {type(data).__name__}")
-    return build(model, data)
+    return data

@@ -18,6 +18,7 @@ import redis
 import torch
 
 from consumers.admission import Admission
+from consumers.engine import Engine, RedisFollower
 from consumers.rollout import RolloutConsumer
 from consumers.sources.envs import VOCAB, ArithmeticEnv
 from consumers.sources.policy import PolicySource
@@ -112,6 +113,9 @@ def test_each_role_runs_as_its_own_user_and_is_refused_the_rest(server):
         running.start(RolloutConsumer(build(ConsumerConfig, {
             "redis": cfg["consumer"].model_dump(mode="json"), "slots": 4, "block_ms": 50,
             "lease_s": 2, "grace_s": 1}), source, connect(cfg["consumer"])))
+        # `rollstream engine` follows the pushed versions as the consumer role too
+        engine = Engine(TinyTransformer(MODEL))
+        follower = RedisFollower(engine, cfg["consumer"], block_ms=50)
         model = TinyTransformer(MODEL)
         batches = [{"task_id": list(range(i * 4, i * 4 + 4))} for i in range(STEPS + 1)]
         with RolloutScheduler(GRPOObjective(), None, None, redis=cfg["trainer"], width=64, rows=4,
@@ -129,9 +133,14 @@ def test_each_role_runs_as_its_own_user_and_is_refused_the_rest(server):
                     break
             assert rows.tokens.numel() > 0
         report = status.collect(connect(cfg["status"]), KEYS)
+        deadline = time.monotonic() + 10
+        while engine.version < sched.updates - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        follower.stop()
     finally:
         running.stop()
     assert not running.errors, running.errors
+    assert follower.failure is None and engine.version >= 2
     assert len(trained) == len(set(trained)) >= 2 * STEPS
     assert loader.version is not None and loader.version >= 2  # the consumer loaded pushes
     assert report["streams"]

@@ -249,3 +249,24 @@ def test_the_cli_parses_engine_and_gateway_options():
     assert (args.model, args.port, args.weights_dir, args.weights_redis) == ("tiny", 8, "/w", None)
     with pytest.raises(SystemExit):
         parser().parse_args(["gateway", "--port", "9"])  # --engine is required
+
+
+def test_the_engine_follows_the_run_a_process_config_names(tmp_path):
+    from consumers.engine import _weights_redis
+    from pipeline.cli import parser
+    from pipeline.config import ConfigError
+
+    config = tmp_path / "consumer.yaml"
+    config.write_text("redis: {url: 'rediss://r:6380/0', namespace: exp1, username: rs-consumer,\n"
+                      "        password_file: /run/secrets/redis, tls_ca_file: /etc/ca.pem}\nslots: 4\n")
+    got = _weights_redis(parser().parse_args(["engine", "--redis-config", str(config)]))
+    assert (got.url, got.namespace, got.username, got.password_file) == (
+        "rediss://r:6380/0", "exp1", "rs-consumer", "/run/secrets/redis")
+    plain = _weights_redis(parser().parse_args(["engine", "--weights-redis", "redis://r:1/0", "--namespace", "n"]))
+    assert (plain.url, plain.namespace, plain.username) == ("redis://r:1/0", "n", None)
+    assert _weights_redis(parser().parse_args(["engine"])) is None
+    with pytest.raises(ConfigError, match="give one"):
+        _weights_redis(parser().parse_args(["engine", "--redis-config", str(config), "--weights-redis", "redis://r:1/0"]))
+    config.write_text("redis: {url: 'redis://r:1/0', pasword_env: X}\n")
+    with pytest.raises(ConfigError, match="pasword_env"):
+        _weights_redis(parser().parse_args(["engine", "--redis-config", str(config)]))

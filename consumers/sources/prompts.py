@@ -9,8 +9,8 @@ Task `i` (`task_ids` row i) is prompt `i mod len(prompts)`; a task whose payload
 Face tokenizer; `PromptSetSource` takes the model directory's own when `model_config` is one
 that holds a tokenizer) the tokenizer's chat template for a user turn, or its bos and the
 text when it has no template; the completion ends at eos, and the verifier scores the text
-before it against the answer: `exact` (1 or 0) or `partial` (the
-share of characters right in place, `envs.score`), or any `verifier(answer, said) -> [0, 1]`.
+before it against the answer: `exact` (1 or 0) or `partial` (the share of characters right
+in place, `envs.score`), or any `verifier(answer, said) -> [0, 1]`.
 A completion cut at `max_new_tokens` is TRUNCATED and still scored (for `truncation="score"`).
 """
 

@@ -74,9 +74,11 @@ class AclRole:
     confined: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
 
+_RUN = AclRole(ACL_COMMANDS, ("*",))
+
 ACL_ROLES: dict[str, AclRole] = {
-    "run": AclRole(ACL_COMMANDS, ("*",)),
-    "admission": AclRole(ACL_COMMANDS, ("*",)),
+    "run": _RUN,
+    "admission": _RUN,  # it owns the run's state
     "consumer": AclRole(
         ("xreadgroup", "xread", "xack", "xclaim", "xpending", "xadd", "xrange", "xrevrange",
          "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "multi", "exec",

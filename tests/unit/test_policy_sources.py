@@ -3,7 +3,6 @@ versions loaded between calls, cancellation, limits."""
 
 import json
 import threading
-import time
 
 import pytest
 import torch

@@ -43,8 +43,8 @@ Pod then runs the way a cluster would run it, as a local process per container:
   pods as the Secret `redis.external.tlsCaSecret` names.
 
 Then: each wave of workloads starts after the workloads it reaches are ready (Redis first);
-every container's startup probe (`/healthz`) and readiness probe (`/readyz`, or the exec
-probe) must pass on the same paths; the trainer ranks must train their steps and exit 0;
+every container's startup, readiness and liveness probes (`/healthz`, `/readyz`, or the
+exec probes) must pass on the same paths, in that order; the trainer ranks must train their steps and exit 0;
 the `helm test` hook's script must exit 0; then every process gets SIGTERM and must exit 0
 within its pod's terminationGracePeriodSeconds. What it cannot map, or any failure, exits
 non-zero with a message naming the workload and the field.
@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import logging
 import os
 import re
 import shlex
@@ -85,8 +84,6 @@ from typing import Any
 import yaml
 
 from pipeline.processes import ROOT, Process, free_port
-
-log = logging.getLogger(__name__)
 
 CHART = ROOT / "helm" / "rollstream"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -312,10 +309,10 @@ def image_problems(docs: list[dict[str, Any]], image: ImageSpec, *, image_name: 
     """What the rollstream containers of `docs` need from the image that it does not give:
     its ENTRYPOINT is the `rollstream` program (a console script of this project, on the
     image's PATH) and every container runs it (no `command`) with arguments its parser
-    takes; the pods run as the image's USER; every mount point is an absolute path the
-    runtime can create (its parent is in the image or under another mount) that hides
-    nothing the image installed; and the variables naming a place to write (HOME, TMPDIR,
-    *_HOME, *_CACHE_DIR) point under a writable mount."""
+    takes; the pods run as the image's USER; no mount hides what the image installed; every
+    absolute path in the args and environment is under a mount or in the image; and the
+    variables naming a place to write (HOME, TMPDIR, *_HOME, *_CACHE_DIR) point under a
+    writable mount (the root filesystem is read-only)."""
     from pipeline.cli import parser
 
     out = []
@@ -356,20 +353,20 @@ def _security_problems(spec: Mapping[str, Any], c: Mapping[str, Any], image: Ima
 
 
 def _mount_problems(spec: Mapping[str, Any], c: Mapping[str, Any], image: ImageSpec) -> list[str]:
+    """Mounts that hide what the image installed; absolute paths in the args and env under
+    no mount and not in the image; places to write under no writable mount."""
     volumes = {v["name"]: v for v in spec.get("volumes") or []}
     mounts = {m["mountPath"]: m for m in c.get("volumeMounts") or []}
-    held = set(image.dirs) | {"/", "/tmp", "/etc", "/home", "/opt", "/var", "/run", "/dev/shm", *BASE_DIRS}
     out = []
     for path, mount in mounts.items():
-        parent = str(PurePosixPath(path).parent)
-        if not path.startswith("/"):
-            continue  # _volume_layout reports it
-        if parent not in held and not _under(parent, [m for m in mounts if m != path]):
-            out.append(f"volumeMounts[{mount['name']}].mountPath: {path}: its parent {parent} is neither in the "
-                       "image nor under another mount")
-        hidden = [d for d in (*image.dirs, *BASE_DIRS, "/etc") if _under(d, [path])]
+        hidden = [d for d in (*image.dirs, *BASE_DIRS, "/etc") if d != image.workdir and _under(d, [path])]
         if hidden:
             out.append(f"volumeMounts[{mount['name']}].mountPath: {path} hides the image's {hidden[0]}")
+    held = [*mounts, *image.dirs, *BASE_DIRS]
+    given = [(f"args[{i}]", a) for i, a in enumerate(c.get("args") or [])]
+    given += [(f"env[{e['name']}]", e["value"]) for e in c.get("env") or [] if e.get("value")]
+    out += [f"{what}: {value} is under no mount and not in the image" for what, value in given
+            if value.startswith("/") and " " not in value and not _under(value, held)]
     writable = [p for p, m in mounts.items() if not m.get("readOnly")
                 and not {"configMap", "secret", "projected"} & set(volumes.get(m["name"], {}))]
     for e in c.get("env") or []:
@@ -439,6 +436,8 @@ class Manifests:
 
 
 def index(docs: Iterable[dict[str, Any]], secrets: Iterable[dict[str, Any]], problems: Problems) -> Manifests:
+    """The rendered objects and the given Secrets by kind; a kind no process can stand for
+    and that cannot be left out is a problem."""
     m = Manifests({}, {}, {}, [], {}, [], [], [])
     for doc in [*secrets, *docs]:
         kind, name = doc["kind"], doc["metadata"]["name"]
@@ -499,6 +498,12 @@ def expand_pods(m: Manifests, folder: Path) -> list[Pod]:
                 claim_name = claim["metadata"]["name"]
                 pod.claims[claim_name] = folder / "claims" / f"{claim_name}-{pod_name}"
             pods.append(pod)
+    _assign_ports(pods)
+    return pods
+
+
+def _assign_ports(pods: list[Pod]) -> None:
+    """A free local port for each declared containerPort, none given twice."""
     taken: set[int] = set()
     for pod in pods:
         for c in pod.spec.get("containers") or []:
@@ -510,7 +515,6 @@ def expand_pods(m: Manifests, folder: Path) -> list[Pod]:
                 pod.ports[int(p["containerPort"])] = port
                 if p.get("name"):
                     pod.port_names[p["name"]] = int(p["containerPort"])
-    return pods
 
 
 # ------------------------------------------------------------------------------ the network
@@ -692,8 +696,7 @@ class Rewriter:
         value = self.network.short.sub(lambda m: self._host(m, what, m["host"] or m["host2"],
                                                             m["port"] or m["port2"]), value)
         for left in self.network.leftover.findall(value):
-            if not left.startswith(("127.0.0.1",)):
-                self.problems.add(self.where, what, f"names {left}, which no rendered Service or pod answers")
+            self.problems.add(self.where, what, f"names {left}, which no rendered Service or pod answers")
         return self.paths.sub(lambda m: str(self.pod.root) + m.group(0), value)
 
     def path(self, value: str) -> str:
@@ -704,7 +707,7 @@ class Rewriter:
             port = int(m["port"])
             if port not in self.pod.ports:
                 self.problems.add(self.where, what, f"{m.group(0).strip()}: port {port} is not a containerPort of "
-                                  f"pod {self.pod.name} (it declares {sorted(self.pod.ports) or 'none'})")
+                                  f"the pod (it declares {sorted(self.pod.ports) or 'none'})")
                 return m.group(0)
             return f"{lead}{self.pod.ports[port]}"
 
@@ -827,10 +830,10 @@ def plan_container(pod: Pod, c: Mapping[str, Any], ctx: Context) -> Container | 
     if argv and argv[0].startswith("/") and not Path(argv[0]).exists():
         ctx.problems.add(where, "command", f"{argv[0]} does not exist here")
     probes = [p for p in (_probe(pod, c, name, env, rewriter, where, ctx.problems)
-                          for name in ("startupProbe", "readinessProbe")) if p is not None]
+                          for name in ("startupProbe", "readinessProbe", "livenessProbe")) if p is not None]
     cwd = pod.root / image.workdir.lstrip("/")
     cwd.mkdir(parents=True, exist_ok=True)
-    job = kind == "rollstream" and c.get("args", [None])[0] == "trainer"
+    job = kind == "rollstream" and (c.get("args") or [None])[0] == "trainer"
     return Container(pod, c["name"], argv, env, cwd, probes, job, rewriter.reached)
 
 
@@ -1081,33 +1084,32 @@ def _local_env(pod: Pod, image: ImageSpec, programs: Path, rewriter: Rewriter, r
 
 def _probe(pod: Pod, c: Mapping[str, Any], name: str, env: Mapping[str, str], rewriter: Rewriter, where: str,
            problems: Problems) -> Probe | None:
+    """The container's probe `name` (httpGet, tcpSocket or exec) as a local check; its budget
+    is what the kubelet allows: initialDelaySeconds + periodSeconds * failureThreshold."""
     spec = c.get(name)
     if not spec:
         return None
     timeout = float(spec.get("timeoutSeconds", 1))
     budget = float(spec.get("initialDelaySeconds", 0)) + float(spec.get("periodSeconds", 10)) * int(
         spec.get("failureThreshold", 3))
-    what = f"{name}"
-    if "httpGet" in spec or "tcpSocket" in spec:
-        action = spec.get("httpGet") or spec["tcpSocket"]
-        port = action["port"]
-        number = pod.port_names.get(port) if isinstance(port, str) else int(port)
-        if number not in pod.ports:
-            problems.add(where, f"{what}.port", f"{port} is not a containerPort of the pod")
-            return None
-        local = pod.ports[number]
-        if "tcpSocket" in spec:
-            return Probe(name, f"tcp :{number}", lambda: _tcp(local, timeout), budget)
-        path = action.get("path", "/")
-        url = f"http://127.0.0.1:{local}{path}"
-        return Probe(name, f"GET {path} on :{number}", lambda: _http(url, timeout), budget)
     if "exec" in spec:
-        argv = [rewriter.text(a, f"{what}.exec.command") for a in spec["exec"]["command"]]
-        return Probe(name, f"exec {shlex.join(spec['exec']['command'])[:60]}",
+        argv = [rewriter.text(a, f"{name}.exec.command") for a in spec["exec"]["command"]]
+        return Probe(name, f"{name} exec {spec['exec']['command'][-1]!r}",
                      lambda: _exec(argv, env, pod.root, timeout), budget)
-    problems.add(where, what, f"{', '.join(k for k in spec if k not in ('periodSeconds', 'timeoutSeconds'))} "
-                 "cannot be probed here")
-    return None
+    action = spec.get("httpGet") or spec.get("tcpSocket")
+    if action is None:
+        problems.add(where, name, "only httpGet, tcpSocket and exec probes run here")
+        return None
+    number = _container_port(pod, action["port"])
+    if number is None:
+        problems.add(where, f"{name}.port", f"{action['port']} is not a containerPort of the pod")
+        return None
+    local = pod.ports[number]
+    if "tcpSocket" in spec:
+        return Probe(name, f"{name} tcp :{number}", lambda: _tcp(local, timeout), budget)
+    path = action.get("path", "/")
+    return Probe(name, f"{name} GET {path} :{number}", lambda: _http(f"http://127.0.0.1:{local}{path}", timeout),
+                 budget)
 
 
 def _http(url: str, timeout: float) -> bool:
@@ -1326,8 +1328,8 @@ class Plan:
     folder: Path
 
 
-def _programs(folder: Path, docs: list[dict[str, Any]], spec: ImageSpec,
-              redis_server: str | None) -> dict[str, tuple[ImageSpec, Path]]:
+def _programs(folder: Path, docs: list[dict[str, Any]], spec: ImageSpec, redis_server: str | None,
+              problems: Problems) -> dict[str, tuple[ImageSpec, Path]]:
     """The images the containers name, each as its spec and a folder of its programs."""
     module, _, function = console_script(spec.entrypoint[0] if spec.entrypoint else "rollstream").partition(":")
     rollstream = folder / "images" / "rollstream" / "bin"
@@ -1340,7 +1342,11 @@ def _programs(folder: Path, docs: list[dict[str, Any]], spec: ImageSpec,
     redis_images = [c.get("image", "") for _, s in _pod_specs(docs) for c in s.get("containers") or []
                     if _image_kind(c.get("image", "")) == "redis"]
     if redis_images:
-        server, cli = redis_programs(max(map(_image_major, redis_images)), redis_server)
+        try:
+            server, cli = redis_programs(max(map(_image_major, redis_images)), redis_server)
+        except ChartRunError as exc:
+            problems.add(f"image {redis_images[0]}", "", str(exc))
+            return images
         bin_dir = folder / "images" / "redis" / "bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
         for name, target in (("redis-server", server), ("redis-cli", cli)):
@@ -1368,10 +1374,13 @@ def plan_docs(docs: list[dict[str, Any]], values: Mapping[str, Any], *, folder: 
     image = read_dockerfile()
     problems.lines.extend(image_problems(docs, image))
     m = index(docs, secrets, problems)
-    images = _programs(folder, docs, image, redis_server)
+    images = _programs(folder, docs, image, redis_server, problems)
     stand_in = None
     if not values["redis"].get("enabled"):
-        stand_in = external_redis(values, m, folder, problems, redis_programs(7, redis_server)[0])
+        try:
+            stand_in = external_redis(values, m, folder, problems, redis_programs(7, redis_server)[0])
+        except ChartRunError as exc:
+            problems.lines.extend(f"stand-in Redis: {line}" for line in exc.problems)
     pods = expand_pods(m, folder)
     network = Network(m, pods, namespace=namespace, domain=values.get("clusterDomain", "cluster.local"),
                       stand_ins={stand_in.host: {stand_in.port: stand_in.local}} if stand_in else {},
@@ -1389,6 +1398,7 @@ def plan_docs(docs: list[dict[str, Any]], values: Mapping[str, Any], *, folder: 
             ctx.notes.extend(_resource_notes(pod, c))
     problems.lines.extend(policy_problems(m.policies, network.edges, namespace))
     problems.check()
+    ctx.notes.append(_share_cores(planned))
     ctx.notes.append(f"TORCH_EXTENSIONS_DIR={cache} for the rollstream containers: DeepSpeed's compiled ops are "
                      "shared across the local pods (each trainer pod of a cluster compiles them into its /tmp)")
     if stand_in:
@@ -1398,6 +1408,16 @@ def plan_docs(docs: list[dict[str, Any]], values: Mapping[str, Any], *, folder: 
     services = [c for c in planned if not c.pod.hook]
     return Plan(services, [c for c in planned if c.pod.hook], waves(services), stand_in, m.ignored,
                 list(dict.fromkeys(ctx.notes)), folder)
+
+
+def _share_cores(containers: list[Container]) -> str:
+    """OMP_NUM_THREADS for the containers that do not set it: this machine's cores shared
+    among them, as the pods of a cluster would each have their own."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(containers)))
+    for c in containers:
+        c.env.setdefault("OMP_NUM_THREADS", str(threads))
+    return (f"OMP_NUM_THREADS={threads} where a container sets none: {len(containers)} containers share "
+            f"{os.cpu_count()} cores here")
 
 
 def _resource_notes(pod: Pod, c: Mapping[str, Any]) -> list[str]:

@@ -200,7 +200,7 @@ def test_the_production_values_run(tmp_path):
                                 .read_text())
             assert config["redis"]["username"] == c.env["ROLLSTREAM_REDIS_USERNAME"] == user
             assert config["redis"]["url"].startswith("rediss://127.0.0.1:")
-            assert Path(config["redis"]["tls_ca_file"]).read_bytes() == result_stand_in_ca(tmp_path)
+            assert Path(config["redis"]["tls_ca_file"]).read_bytes() == (tmp_path / "stand-in-redis/ca.crt").read_bytes()
     assert any("users rollstream (admission), rs-consumer (consumer), rs-trainer (trainer)" in line
                for line in result.lines)
     assert result.status is not None and result.status["published_version"] >= 1
@@ -211,10 +211,6 @@ def test_the_production_values_run(tmp_path):
     step = tmp_path / "claims" / "rl-checkpoints" / f"step{STEPS:08d}"
     assert {f.name for f in step.glob("zero_pp_rank_*_optim_states.pt")} == {
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ranks)}
-
-
-def result_stand_in_ca(folder: Path) -> bytes:
-    return (folder / "stand-in-redis" / "ca.crt").read_bytes()
 
 
 # ------------------------------------------------------------------------------ what fails, named
@@ -241,7 +237,14 @@ MINE = [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mine"}, "st
     ({"trainer": {"config": {"record": "/records/{rank}.jsonl"}}}, [], [
         "StatefulSet/rs-rollstream-trainer container trainer: /etc/rollstream/trainer.json record: /records/{rank}.jsonl "
         "is under no volume mount"]),
-], ids=["wrong-secret-key", "missing-secret", "unmounted-checkpoint-dir", "mount-path-taken", "unmounted-record"])
+    ({"consumer": {"extraEnv": [{"name": "GATEWAY", "value": "http://127.0.0.1:8000/v1"}]}}, [], [
+        "Deployment/rs-rollstream-consumer container consumer: env[GATEWAY]: 127.0.0.1:8000: port 8000 is not a "
+        "containerPort of the pod (it declares [9400])"]),
+    ({"consumer": {"extraEnv": [{"name": "GATEWAY", "value": "http://gateway.default.svc.cluster.local:8000"}]}}, [], [
+        "Deployment/rs-rollstream-consumer container consumer: env[GATEWAY]: names gateway.default.svc.cluster.local, "
+        "which no rendered Service or pod answers"]),
+], ids=["wrong-secret-key", "missing-secret", "unmounted-checkpoint-dir", "mount-path-taken", "unmounted-record",
+        "undeclared-loopback-port", "unknown-service"])
 def test_a_broken_value_names_the_workload_and_the_field(tmp_path, values, secrets, expected):
     with pytest.raises(ChartRunError) as failed:
         chart_run.plan(values, folder=tmp_path, secrets=secrets)

@@ -54,7 +54,10 @@ Every Service must select a pod and reach a declared port of it, every StatefulS
 connection the pods' configs make must be let in by the NetworkPolicies selecting its
 target (they are not enforced on the local processes, but checked).
 
-Not emulated, and said in the report: resources and GPU requests, security contexts (the
+GPUs are handed out as a device plugin would (CUDA_VISIBLE_DEVICES), when this machine has
+enough for every pod that asks; else no container sees one (`device: auto` is the CPU).
+
+Not emulated, and said in the report: CPU and memory requests, security contexts (the
 processes run as the caller), PodDisruptionBudgets, ServiceMonitors and the like (no
 process runs for them); a KEDA ScaledObject's `minReplicaCount: 0` runs one replica. DeepSpeed's compiled ops are shared across the local pods through
 TORCH_EXTENSIONS_DIR (in a cluster each trainer pod compiles them into its own `/tmp`).
@@ -697,9 +700,10 @@ class Rewriter:
                                                             m["port"] or m["port2"]), value)
         for left in self.network.leftover.findall(value):
             self.problems.add(self.where, what, f"names {left}, which no rendered Service or pod answers")
-        return self.paths.sub(lambda m: str(self.pod.root) + m.group(0), value)
+        return self.path(value)
 
     def path(self, value: str) -> str:
+        """`value` with each path under a mount point moved under the pod's folder."""
         return self.paths.sub(lambda m: str(self.pod.root) + m.group(0), value)
 
     def _own_ports(self, value: str, what: str) -> str:
@@ -781,6 +785,7 @@ class Container:
     probes: list[Probe]
     job: bool  # runs to completion (a trainer rank)
     reached: set[str]
+    gpus: int = 0
     process: Process | None = None
     ready_s: float | None = None
 
@@ -834,7 +839,8 @@ def plan_container(pod: Pod, c: Mapping[str, Any], ctx: Context) -> Container | 
     cwd = pod.root / image.workdir.lstrip("/")
     cwd.mkdir(parents=True, exist_ok=True)
     job = kind == "rollstream" and (c.get("args") or [None])[0] == "trainer"
-    return Container(pod, c["name"], argv, env, cwd, probes, job, rewriter.reached)
+    gpus = sum(int(v) for k, v in _resources(c).items() if k.endswith("/gpu"))
+    return Container(pod, c["name"], argv, env, cwd, probes, job, rewriter.reached, gpus=gpus)
 
 
 def _mounts(pod: Pod, c: Mapping[str, Any], where: str, problems: Problems) -> list[tuple[str, dict, dict]]:
@@ -1071,14 +1077,14 @@ def _local_env(pod: Pod, image: ImageSpec, programs: Path, rewriter: Rewriter, r
     if str(programs) not in path.split(":"):
         path = f"{programs}:{path}"
     env = {**{k: rewriter.path(v) for k, v in image.env.items()}, "PATH": path, "HOSTNAME": pod.name}
-    if any(p == "/tmp" for p in rewriter.prefixes):
+    if "/tmp" in rewriter.prefixes:
         env["TMPDIR"] = str(pod.root) + "/tmp"
     if kind == "rollstream":
         env.update(ctx.shared_env)
-    mapped = {k: v for k, v in raw.items()}
+    mapped = {k: v for k, v in raw.items() if k not in secret}  # a Secret's value is data: as it is
     rewriter.env_hosts(mapped, fields)
-    for k, v in mapped.items():
-        env[k] = v if k in secret or v != raw[k] else rewriter.text(v, fields[k])
+    for k, v in raw.items():
+        env[k] = v if k in secret else mapped[k] if mapped[k] != v else rewriter.text(v, fields[k])
     return env
 
 
@@ -1399,6 +1405,7 @@ def plan_docs(docs: list[dict[str, Any]], values: Mapping[str, Any], *, folder: 
     problems.lines.extend(policy_problems(m.policies, network.edges, namespace))
     problems.check()
     ctx.notes.append(_share_cores(planned))
+    ctx.notes.append(allot_gpus(planned, gpus_here()))
     ctx.notes.append(f"TORCH_EXTENSIONS_DIR={cache} for the rollstream containers: DeepSpeed's compiled ops are "
                      "shared across the local pods (each trainer pod of a cluster compiles them into its /tmp)")
     if stand_in:
@@ -1420,12 +1427,44 @@ def _share_cores(containers: list[Container]) -> str:
             f"{os.cpu_count()} cores here")
 
 
+def _resources(c: Mapping[str, Any]) -> dict[str, Any]:
+    resources = c.get("resources") or {}
+    return {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+
+
 def _resource_notes(pod: Pod, c: Mapping[str, Any]) -> list[str]:
-    limits = {**c.get("resources", {}).get("requests", {}), **c.get("resources", {}).get("limits", {})}
-    extended = {k: v for k, v in limits.items() if k not in ("cpu", "memory", "ephemeral-storage")}
+    extended = {k: v for k, v in _resources(c).items()
+                if k not in ("cpu", "memory", "ephemeral-storage") and not k.endswith("/gpu")}
     if not extended:
         return []
     return [f"{pod.workload} container {c['name']}: resources {extended} are not enforced here"]
+
+
+def gpus_here() -> int:
+    """The GPUs `nvidia-smi -L` lists (0 without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def allot_gpus(containers: list[Container], available: int) -> str:
+    """CUDA_VISIBLE_DEVICES of every container, as a device plugin would: each its own GPUs
+    when there are enough for all of them, else none for any (a pod that could not be
+    scheduled; with `device: auto` every trainer rank then runs on the CPU, none on a GPU
+    while another has none)."""
+    wanted = sum(c.gpus for c in containers)
+    fits = 0 < wanted <= available
+    first = 0
+    for c in containers:
+        c.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(first, first + c.gpus))) if fits else ""
+        first += c.gpus if fits else 0
+    if not wanted:
+        return f"GPUs: none asked for, none visible ({available} here)"
+    return (f"GPUs: {wanted} asked for, {available} here: "
+            + ("each container sees its own (CUDA_VISIBLE_DEVICES)" if fits
+               else "none is visible to any container, so their device auto is the CPU"))
 
 
 def waves(containers: list[Container]) -> list[list[str]]:

@@ -334,3 +334,16 @@ def test_the_command_exits_non_zero_naming_the_workload_and_field(tmp_path):
     assert "rollstream chart-run: FAILED" in done.stderr
     assert ("StatefulSet/rs-rollstream-trainer container trainer: /etc/rollstream/trainer.json checkpoint.dir: "
             "/checkpoints") in done.stderr
+
+
+def test_gpus_are_handed_out_as_a_device_plugin_would(tmp_path):
+    """Each trainer rank (trainer.gpu.count each) sees its own GPUs when there are enough for
+    all of them, none sees any otherwise, and no other container sees one."""
+    planned = chart_run.plan({"trainer": {"ranks": 2, "gpu": {"count": 2}}}, folder=tmp_path)
+    containers = planned.containers + planned.hooks
+    assert "4 asked for, 8 here: each container sees its own" in chart_run.allot_gpus(containers, 8)
+    visible = {c.pod.name: c.env["CUDA_VISIBLE_DEVICES"] for c in containers}
+    assert visible.pop("rs-rollstream-trainer-0") == "0,1" and visible.pop("rs-rollstream-trainer-1") == "2,3"
+    assert set(visible.values()) == {""}
+    assert "none is visible to any container" in chart_run.allot_gpus(containers, 3)
+    assert {c.env["CUDA_VISIBLE_DEVICES"] for c in containers} == {""}

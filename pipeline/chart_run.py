@@ -44,23 +44,25 @@ Pod then runs the way a cluster would run it, as a local process per container:
 
 Then: each wave of workloads starts after the workloads it reaches are ready (Redis first);
 every container's startup, readiness and liveness probes (`/healthz`, `/readyz`, or the
-exec probes) must pass on the same paths, in that order; the trainer ranks must train their steps and exit 0;
-the `helm test` hook's script must exit 0; then every process gets SIGTERM and must exit 0
-within its pod's terminationGracePeriodSeconds. What it cannot map, or any failure, exits
-non-zero with a message naming the workload and the field.
+exec probes) must pass, in that order, on the same paths; the trainer ranks must train
+their steps and exit 0; `rollstream status` runs in the first admission pod (as `kubectl
+exec` would); the `helm test` hook's script must exit 0; then every process gets SIGTERM
+and must exit 0 within its pod's terminationGracePeriodSeconds. What cannot be mapped, or
+any failure, raises `ChartRunError` (the command exits 1) naming the workload and the field.
 
-Every Service must select a pod and reach a declared port of it, every StatefulSet's
-`serviceName` must be a headless Service selecting its pods (their DNS names), and every
-connection the pods' configs make must be let in by the NetworkPolicies selecting its
-target (they are not enforced on the local processes, but checked).
+Checked before anything starts: the image runs the chart's command (`image_problems`: the
+Dockerfile's ENTRYPOINT, USER and layout); every Service selects a pod and reaches a
+declared port of it; every StatefulSet's `serviceName` is a headless Service selecting its
+pods (their DNS names); every connection the pods' configs make is let in by the
+NetworkPolicies selecting its target (not enforced on local processes, but checked).
 
-GPUs are handed out as a device plugin would (CUDA_VISIBLE_DEVICES), when this machine has
-enough for every pod that asks; else no container sees one (`device: auto` is the CPU).
-
+GPUs are handed out as a device plugin would (CUDA_VISIBLE_DEVICES) when this machine has
+enough for every pod that asks, else to none (`device: auto` is then the CPU). The local
+pods share this machine's cores (OMP_NUM_THREADS split among them) and DeepSpeed's compiled
+ops (TORCH_EXTENSIONS_DIR; each trainer pod of a cluster compiles them into its `/tmp`).
 Not emulated, and said in the report: CPU and memory requests, security contexts (the
 processes run as the caller), PodDisruptionBudgets, ServiceMonitors and the like (no
-process runs for them); a KEDA ScaledObject's `minReplicaCount: 0` runs one replica. DeepSpeed's compiled ops are shared across the local pods through
-TORCH_EXTENSIONS_DIR (in a cluster each trainer pod compiles them into its own `/tmp`).
+process runs for them); a KEDA ScaledObject's `minReplicaCount: 0` runs one replica.
 """
 
 from __future__ import annotations
@@ -196,8 +198,8 @@ def secrets_from(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]
             raise ChartRunError([f"--secrets {path}: {exc}"]) from None
         for doc in docs:
             if not isinstance(doc, dict) or doc.get("kind") != "Secret":
-                raise ChartRunError([f"--secrets {path}: holds a {doc.get('kind') if isinstance(doc, dict) else doc!r}, "
-                                     "not a Secret"])
+                what = doc.get("kind") if isinstance(doc, dict) else repr(doc)
+                raise ChartRunError([f"--secrets {path}: holds a {what}, not a Secret"])
             out.append(doc)
     return out
 
@@ -390,7 +392,8 @@ def _under(path: str, prefixes: Iterable[str]) -> bool:
 def _pod_specs(docs: Iterable[Mapping[str, Any]]) -> Iterable[tuple[str, Mapping[str, Any]]]:
     for d in docs:
         if d["kind"] in WORKLOAD_KINDS:
-            yield f"{d['kind']}/{d['metadata']['name']}", d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
+            spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
+            yield f"{d['kind']}/{d['metadata']['name']}", spec
 
 
 def _image_kind(image: str) -> str:
@@ -471,7 +474,8 @@ def _autoscaled(doc: Mapping[str, Any], m: Manifests) -> None:
     elif doc["kind"] == "ScaledObject":
         least = int(spec.get("minReplicaCount", 0))
         if least == 0:
-            m.notes.append(f"ScaledObject/{doc['metadata']['name']}: minReplicaCount 0 (scaled on demand): one replica runs")
+            m.notes.append(f"ScaledObject/{doc['metadata']['name']}: minReplicaCount 0 (scaled on demand): "
+                           "one replica runs")
         m.replicas[spec["scaleTargetRef"]["name"]] = max(1, least)
 
 
@@ -858,7 +862,8 @@ def _mounts(pod: Pod, c: Mapping[str, Any], where: str, problems: Problems) -> l
         volume = volumes.get(mount["name"]) or ({"name": mount["name"], "claimTemplate": {}}
                                                 if mount["name"] in pod.claims else None)
         if volume is None:
-            problems.add(where, f"volumeMounts[{mount['name']}].name", "no volume and no volumeClaimTemplate of that name")
+            problems.add(where, f"volumeMounts[{mount['name']}].name",
+                         "no volume and no volumeClaimTemplate of that name")
             continue
         kind = next(iter(set(volume) - {"name"}), "?")
         if kind not in ("configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "claimTemplate"):
@@ -1000,7 +1005,8 @@ def _value_from(pod: Pod, source: Mapping[str, Any], ctx: Context, where: str, w
                 return None
             if ref["key"] not in data:
                 if not ref.get("optional"):
-                    ctx.problems.add(where, f"{what}.valueFrom.{kind}.key", _no_key(short, ref["name"], ref["key"], data))
+                    ctx.problems.add(where, f"{what}.valueFrom.{kind}.key",
+                                     _no_key(short, ref["name"], ref["key"], data))
                 return None
             return data[ref["key"]].decode("utf-8", "replace")
     if "fieldRef" in source:
@@ -1018,7 +1024,8 @@ def _pod_field(pod: Pod, path: str, namespace: str) -> str | None:
     if found:
         return (pod.labels if found.group(1) == "labels" else pod.annotations).get(found.group(2), "")
     return {"metadata.name": pod.name, "metadata.namespace": namespace, "metadata.uid": f"local-{pod.name}",
-            "spec.nodeName": socket.gethostname(), "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default"),
+            "spec.nodeName": socket.gethostname(),
+            "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default"),
             "status.podIP": "127.0.0.1", "status.hostIP": "127.0.0.1", "status.podIPs": "127.0.0.1"}.get(path)
 
 
@@ -1209,7 +1216,8 @@ class RedisStandIn:
             try:
                 subprocess.run(["openssl", *args], cwd=self.folder, check=True, capture_output=True, timeout=60)
             except (OSError, subprocess.CalledProcessError) as exc:
-                raise ChartRunError([f"stand-in Redis: openssl {args[0]} failed ({exc}); TLS needs the openssl CLI"]) from None
+                raise ChartRunError([f"stand-in Redis: openssl {args[0]} failed ({exc}); TLS needs the "
+                                     "openssl CLI"]) from None
 
         ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
         openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=chart-run CA")
@@ -1630,7 +1638,8 @@ class Runner:
         """SIGTERM, the last wave first; each process gets its pod's grace period."""
         codes: dict[str, int] = {}
         groups = [[c for c in self.running if c.pod.hook]] + [
-            [c for c in self.running if c.pod.workload in wave and not c.pod.hook] for wave in reversed(self.plan.waves)]
+            [c for c in self.running if c.pod.workload in wave and not c.pod.hook]
+            for wave in reversed(self.plan.waves)]
         for group in groups:
             alive = [c for c in group if c.process is not None and c.process.alive]
             for c in alive:

@@ -45,7 +45,8 @@ def rendered_workloads(values: dict, **kw) -> dict[str, dict]:
 
 
 def rendered_args(doc: dict, container) -> list[str]:
-    """The container's rendered command line, `$(VAR)` expanded, paths under its pod's root."""
+    """The container's rendered command line (with the image's ENTRYPOINT when it gives no
+    command)."""
     spec = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
     (c,) = [c for c in spec["containers"] if c["name"] == container.name]
     return [*(c.get("command") or ["rollstream"]), *c["args"]]
@@ -70,11 +71,12 @@ def assert_ran(result: chart_run.Result, workloads: dict[str, dict], replicas: d
             root = str(c.pod.root)
             expected = rendered_args(workloads[workload], c)
             shard = c.pod.labels.get("apps.kubernetes.io/pod-index", "")
-            mapped = [re.sub(r"\$\(ROLLSTREAM_SHARD\)", shard, a).replace("/etc/rollstream/", root + "/etc/rollstream/")
+            mapped = [a.replace("$(ROLLSTREAM_SHARD)", shard).replace("/etc/rollstream/", root + "/etc/rollstream/")
                       for a in expected]
-            if workload.startswith("StatefulSet/") and "redis" in workload:
-                assert c.argv[:2] == ["/bin/sh", "-c"] and "exec redis-server " + root + "/etc/redis/redis.conf" in c.argv[2]
-            elif not c.pod.hook:
+            if workload.startswith("StatefulSet/") and workload.endswith("-redis"):
+                assert c.argv[:2] == ["/bin/sh", "-c"]
+                assert f"exec redis-server {root}/etc/redis/redis.conf --include {root}/tmp/auth.conf" in c.argv[2]
+            else:  # the rollstream containers and the helm test hook
                 assert c.argv == mapped, workload
             assert c.process is not None and c.process.popen.returncode == 0, c.label
             if not c.pod.hook:
@@ -200,7 +202,8 @@ def test_the_production_values_run(tmp_path):
                                 .read_text())
             assert config["redis"]["username"] == c.env["ROLLSTREAM_REDIS_USERNAME"] == user
             assert config["redis"]["url"].startswith("rediss://127.0.0.1:")
-            assert Path(config["redis"]["tls_ca_file"]).read_bytes() == (tmp_path / "stand-in-redis/ca.crt").read_bytes()
+            ca = (tmp_path / "stand-in-redis" / "ca.crt").read_bytes()
+            assert Path(config["redis"]["tls_ca_file"]).read_bytes() == ca
     assert any("users rollstream (admission), rs-consumer (consumer), rs-trainer (trainer)" in line
                for line in result.lines)
     assert result.status is not None and result.status["published_version"] >= 1
@@ -223,8 +226,8 @@ MINE = [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mine"}, "st
     ({"redis": {"auth": {"existingSecret": "mine", "existingSecretPasswordKey": "passwd"}}}, MINE, [
         "StatefulSet/rs-rollstream-redis container redis: env[REDIS_PASSWORD].valueFrom.secretKeyRef.key: "
         "Secret mine has no key 'passwd' (it has: password)",
-        "StatefulSet/rs-rollstream-trainer container trainer: env[ROLLSTREAM_REDIS_PASSWORD].valueFrom.secretKeyRef.key: "
-        "Secret mine has no key 'passwd'",
+        "StatefulSet/rs-rollstream-trainer container trainer: env[ROLLSTREAM_REDIS_PASSWORD].valueFrom.secretKeyRef"
+        ".key: Secret mine has no key 'passwd'",
         "Pod/rs-rollstream-test-redis container redis-cli: env[REDISCLI_AUTH].valueFrom.secretKeyRef.key"]),
     ({"redis": {"auth": {"existingSecret": "theirs"}}}, MINE, [
         "Deployment/rs-rollstream-consumer container consumer: env[ROLLSTREAM_REDIS_PASSWORD].valueFrom.secretKeyRef"
@@ -233,10 +236,11 @@ MINE = [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mine"}, "st
         "StatefulSet/rs-rollstream-trainer container trainer: /etc/rollstream/trainer.json checkpoint.dir: "
         "/checkpoints is under no volume mount of the container and not in the image"]),
     ({"trainer": {"persistence": {"enabled": True, "mountPath": "/tmp"}}}, [], [
-        "StatefulSet/rs-rollstream-trainer container trainer: volumeMounts[checkpoints].mountPath: /tmp is mounted twice"]),
+        "StatefulSet/rs-rollstream-trainer container trainer: volumeMounts[checkpoints].mountPath: /tmp is mounted "
+        "twice"]),
     ({"trainer": {"config": {"record": "/records/{rank}.jsonl"}}}, [], [
-        "StatefulSet/rs-rollstream-trainer container trainer: /etc/rollstream/trainer.json record: /records/{rank}.jsonl "
-        "is under no volume mount"]),
+        "StatefulSet/rs-rollstream-trainer container trainer: /etc/rollstream/trainer.json record: "
+        "/records/{rank}.jsonl is under no volume mount"]),
     ({"consumer": {"extraEnv": [{"name": "GATEWAY", "value": "http://127.0.0.1:8000/v1"}]}}, [], [
         "Deployment/rs-rollstream-consumer container consumer: env[GATEWAY]: 127.0.0.1:8000: port 8000 is not a "
         "containerPort of the pod (it declares [9400])"]),

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline import chart_run
 from pipeline.chart_run import DOCKERFILE, console_script, image_problems, read_dockerfile
-from tests.unit.test_helm import PROD, ROLES, SHARED, merged
+from tests.unit.test_helm import ONE_RANK_CLAIM, PROD, ROLES, SHARED, merged
 
 
 def test_the_image_layout():
@@ -24,7 +24,7 @@ def test_the_image_layout():
     assert image.env["PYTHONDONTWRITEBYTECODE"] == "1"  # the chart's root filesystem is read-only
 
 
-@pytest.mark.parametrize("values", [{}, PROD, SHARED, merged(PROD, ROLES), {"trainer": {"persistence": {"enabled": True}}}],
+@pytest.mark.parametrize("values", [{}, PROD, SHARED, merged(PROD, ROLES), ONE_RANK_CLAIM],
                          ids=["default", "production", "shares", "roles", "one-rank-claim"])
 def test_the_chart_runs_what_the_image_holds(values):
     docs, _ = chart_run.render(values)

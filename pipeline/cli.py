@@ -123,6 +123,12 @@ def _gateway(args: argparse.Namespace) -> int:
     return gateway.main(args)
 
 
+def _chart_run(args: argparse.Namespace) -> int:
+    from pipeline import chart_run
+
+    return chart_run.run_from_args(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollstream", description=__doc__)
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -201,6 +207,13 @@ def parser() -> argparse.ArgumentParser:
     gw.add_argument("--session-ttl-s", type=float, default=3600.0, help="idle sessions are dropped after this")
     gw.add_argument("--temperature", type=float, help="force this sampling temperature (the trainer's) on every call")
     gw.set_defaults(run=_gateway)
+
+    from pipeline import chart_run
+
+    chart = sub.add_parser("chart-run", help="render the Helm chart and run every workload it renders as local "
+                                             "processes: probes, a few trainer steps, the helm test hook")
+    chart_run.add_arguments(chart)
+    chart.set_defaults(run=_chart_run)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

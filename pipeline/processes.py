@@ -31,14 +31,18 @@ def free_port(low: int = 20000, high: int = 32000) -> int:
 
 
 class Process:
-    """One child process; stdout and stderr go to `log`."""
+    """One child process; stdout and stderr go to `log`. Its environment is this process's
+    with `env` over it, or `env` alone with `inherit_env=False` (PYTHONPATH always leads with
+    the repository, so the child runs this tree's code); it runs in `cwd` (the repository by
+    default)."""
 
-    def __init__(self, role: str, args: list[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, role: str, args: list[str], log: Path, env: Mapping[str, str] | None = None, *,
+                 cwd: Path | None = None, inherit_env: bool = True) -> None:
         self.role, self.args, self.log = role, args, log
         self._out = open(log, "ab")  # noqa: SIM115 (held for the process lifetime, closed in wait)
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-        self.popen = subprocess.Popen(args, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
+        full_env = {**(os.environ if inherit_env else {}), "PYTHONPATH": path, **(env or {})}
+        self.popen = subprocess.Popen(args, cwd=cwd or ROOT, stdout=self._out, stderr=subprocess.STDOUT,
                                       env=full_env, start_new_session=True)
 
     @property

@@ -55,8 +55,8 @@ ACL_COMMANDS = (
     # hashes (state, held payloads, weight manifests), the cancelled set, plain keys
     "hset", "hsetnx", "hget", "hmget", "hgetall", "hkeys", "hdel", "zadd", "zscore",
     "zremrangebyscore", "get", "set", "del", "exists", "incr", "incrby", "pexpire", "scan",
-    # transactions and the connection
-    "multi", "exec", "discard", "ping", "hello",
+    # transactions and the connection (SELECT: a URL naming a database other than 0)
+    "multi", "exec", "discard", "ping", "hello", "select",
 )
 """Every command the pipeline's processes (admission, rollout consumers, trainer side,
 `rollstream status`) send: the rules of the run's user (`acl_rules(keys)`)."""
@@ -82,7 +82,7 @@ ACL_ROLES: dict[str, AclRole] = {
     "consumer": AclRole(
         ("xreadgroup", "xread", "xack", "xclaim", "xpending", "xadd", "xrange", "xrevrange",
          "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "multi", "exec",
-         "discard", "ping", "hello"),
+         "discard", "ping", "hello", "select"),
         writes=("work", "results:*", "dead"),
         reads=("control", "cancelled:*", "weights*"),
         confined=((("set", "del"), ("consumer:*",)),),  # its heartbeat
@@ -91,12 +91,12 @@ ACL_ROLES: dict[str, AclRole] = {
         ("xadd", "xreadgroup", "xack", "xrange", "xrevrange", "xlen", "xgroup|create",
          "xinfo|groups", "xinfo|stream", "xinfo|consumers", "incr", "incrby", "get", "set",
          "hset", "hget", "hgetall", "del", "pexpire", "exists", "scan", "multi", "exec",
-         "discard", "ping", "hello"),
+         "discard", "ping", "hello", "select"),
         writes=("tasks:*", "epoch:*", "ready:*", "weights*", "dead"),
     ),
     "status": AclRole(
         ("exists", "xlen", "xinfo|groups", "xinfo|stream", "xinfo|consumers", "xrange",
-         "xrevrange", "get", "hget", "hgetall", "scan", "ping", "hello"),
+         "xrevrange", "get", "hget", "hgetall", "scan", "ping", "hello", "select"),
         writes=(),
         reads=("*",),
     ),

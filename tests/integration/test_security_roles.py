@@ -193,3 +193,14 @@ def test_the_run_user_covers_every_role():
         assert not any(a.startswith(("(", "%R")) for a in acl_args(KEYS, role, redis7=False)), role
     assert acl_rules(KEYS).split() == acl_args(KEYS)
     assert f"~{KEYS.prefix}*" in acl_args(KEYS)
+
+
+def test_every_role_connects_to_a_database_other_than_0(server):
+    """A URL naming a database (`redis://host:port/3`) makes the client SELECT it on every
+    connection: each role may, and other namespaces' keys stay out of its reach."""
+    for role in ROLES:
+        config = as_role(server, role).model_copy(update={"url": server.url.rsplit("/", 1)[0] + "/3"})
+        client = connect(config)
+        assert client.ping() and client.connection_pool.connection_kwargs["db"] == 3
+        assert refused(lambda c=client: c.get(Keys("other").epoch(0)))
+        client.close()

@@ -36,6 +36,7 @@ KUBE_VERSION = "1.33.0"
 CRDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}
 RELEASE, NAMESPACE = "rs", "rl"
 
+HARNESS = {"gateway": "http://gw:8000", "harness": ["python", "-m", "my_agent"], "verifier": "my_agent.scoring:verify"}
 PROD = {
     "run": {"namespace": "exp-42"},
     "image": {"tag": "0.1.0-cu128", "pullSecrets": ["ghcr"]},
@@ -53,8 +54,8 @@ PROD = {
                   "timeout_s": 1800.0, "inflight_samples": 640, "batch_size": 32},
     "consumer": {
         "replicas": 10,
-        "source": "consumers.sources.gateway:GatewaySource",
-        "config": {"slots": 16, "grace_s": 120, "lease_s": 60, "source_args": {"base_url": "http://gw:8000"}},
+        "source": "consumers.sources.harness:HarnessSource",
+        "config": {"slots": 16, "grace_s": 120, "lease_s": 60, "source_args": HARNESS},
         "autoscaling": {"minReplicas": 10, "maxReplicas": 80, "keda": {"enabled": True}},
     },
     "trainer": {"ranks": 4, "gpu": {"count": 1},
@@ -348,7 +349,7 @@ def test_production_topology(prod_docs):
     assert consumer["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "ghcr"}]
     assert c["image"] == "ghcr.io/rollstream/rollstream:0.1.0-cu128"
     assert c["args"] == ["consumer", "--config", "/etc/rollstream/consumer.json",
-                         "--source", "consumers.sources.gateway:GatewaySource"]
+                         "--source", "consumers.sources.harness:HarnessSource"]
 
     monitor = one(prod_docs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -444,7 +445,7 @@ def test_config_files_load_as_the_pipeline_models(request, docs_fixture):
         assert trainer.trainer.model.kind == "tiny" and sleep.vocab <= tiny.vocab
         assert admission.scheduler.width <= tiny.max_positions
     if docs_fixture == "prod_docs":
-        assert consumer.slots == 16 and consumer.source_args == {"base_url": "http://gw:8000"}
+        assert consumer.slots == 16 and consumer.source_args == HARNESS
         assert consumer.redis.url == "rediss://redis.prod.example:6380/2"
         assert consumer.redis.tls_ca_file == "/etc/rollstream/tls/ca.crt"
         assert consumer.redis.username == "rollstream" and consumer.redis.namespace == "exp-42"

@@ -33,12 +33,13 @@ def free_port(low: int = 20000, high: int = 32000) -> int:
 class Process:
     """One child process; stdout and stderr go to `log`."""
 
-    def __init__(self, role: str, args: list[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, role: str, args: list[str], log: Path, env: Mapping[str, str] | None = None,
+                 cwd: Path = ROOT) -> None:
         self.role, self.args, self.log = role, args, log
         self._out = open(log, "ab")  # noqa: SIM115 (held for the process lifetime, closed in wait)
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-        self.popen = subprocess.Popen(args, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
+        self.popen = subprocess.Popen(args, cwd=cwd, stdout=self._out, stderr=subprocess.STDOUT,
                                       env=full_env, start_new_session=True)
 
     @property

@@ -1,7 +1,11 @@
-"""`TrainerConfig`: the trainer process's validated configuration (YAML or JSON).
+"""The trainer's validated configuration: `RunConfig`, the file of `rollstream trainer
+--config trainer.yaml` (examples/*/trainer.yaml), whose `trainer:` section is a
+`TrainerConfig` (the model, the optimizer, the ZeRO stage, the backend).
 
-    config = load(TrainerConfig, "trainer.yaml")        # pipeline.config.load
+    config = load(RunConfig, "trainer.yaml").trainer     # pipeline.config.load
     engine = build_engine(config)                       # trainer.engine
+
+The `trainer:` section:
 
 ```yaml
 model:  {kind: tiny, tiny: {vocab: 64, d_model: 64, n_layers: 2, n_heads: 4, max_positions: 64}}

@@ -725,5 +725,5 @@ def main(args: argparse.Namespace) -> int:
     app.on_cleanup.append(stop_followers)
     from consumers.http import serve
 
-    log.warning("rollstream engine: %s on %s:%d (context %s)", engine.name, args.host, args.port, engine.context)
+    log.info("rollstream engine: %s on %s:%d (context %s)", engine.name, args.host, args.port, engine.context)
     return serve(app, args.host, args.port)

@@ -14,6 +14,7 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -164,6 +165,6 @@ def serve(app: web.Application, host: str, port: int) -> int:
     except OSError as exc:
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise
-        raise CommandError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}; "
+        raise CommandError(f"--host {host} --port {port}: cannot listen there: {os.strerror(exc.errno)}; "
                            f"pick another --port (or stop what holds it)") from exc
     return 0

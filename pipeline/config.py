@@ -153,8 +153,8 @@ def metrics_address(addr: str, offsets: Sequence[str] = (), **values: int) -> tu
     number = int(port)
     if plus:
         if offset not in offsets:
-            raise ValueError(f"{addr!r}: +{offset} means nothing here "
-                             f"({'only +' + ' or +'.join(offsets) if offsets else 'no +offset'})")
+            raise ValueError(f"{addr!r}: +{offset} means nothing here " + (
+                f"(only +{' or +'.join(offsets)})" if offsets else "(give a port, or port 0 for a free one)"))
         if number == 0:
             raise ValueError(f"{addr!r}: port 0 picks a free port already; drop +{offset}")
         number += values.get(offset, 0)

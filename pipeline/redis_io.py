@@ -220,11 +220,11 @@ def check(r: redis.Redis, config: RedisConfig) -> None:
             source = "nowhere: no password sent"
         raise RedisAuthError(
             f"Redis at {where(config)} refused user {config.user or 'default'!r} "
-            f"(password from {source}): {exc}") from None
+            f"(password from {source}): {exc}") from exc
     except RETRYABLE as exc:
         raise RedisUnreachable(
             f"cannot reach Redis at {where(config)} (redis.url): {str(exc).rstrip('.')}. Is the "
-            f"server running there, and is redis.url right?") from None
+            f"server running there, and is redis.url right?") from exc
 
 
 class Outage:

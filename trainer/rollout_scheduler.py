@@ -46,7 +46,7 @@ from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, Schedu
 from pipeline.errors import CommandError
 from pipeline.keys import Keys
 from pipeline.packing import check_support
-from pipeline.redis_io import connect, embedded
+from pipeline.redis_io import check, connect, embedded
 from pipeline.scheduler import SchedulerRecord
 from pipeline.sessions import Task
 from producers.tasks import TaskWriter
@@ -184,6 +184,7 @@ class RolloutScheduler:
         self.redis_config = redis_config
         self.r = connect(redis_config)
         self._stack.callback(self.r.close)
+        check(self.r, redis_config)  # an unreachable Redis or refused credentials: one clear error now
         self.keys = Keys(redis_config.namespace)
         limit = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
         self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s,

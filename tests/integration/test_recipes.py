@@ -44,6 +44,8 @@ from pipeline.config import AdmissionConfig, ConsumerConfig, build, load
 from pipeline.processes import Process, free_port
 from tests.conftest import ROOT
 from trainer.config import RunConfig, TrainerConfig
+from trainer.main import batches
+from trainer.model import TinyTransformer
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 SERVER = pytest.mark.parametrize("redis_url", ["server"], indirect=True)
@@ -313,15 +315,26 @@ def test_local_recipe(tmp_path, redis_url, namespace, r):
 
 
 @SERVER
-def test_two_ranks_recipe(tmp_path, redis_url, namespace, r):
-    """docs/scale.md on one machine: two admission shards and two trainer ranks, each from
-    one file (their metrics ports derived from the shard and the rank)."""
+def test_two_ranks_recipe(tmp_path, redis_url, namespace, r, keys):
+    """docs/scale.md on one machine: two admission shards and two trainer ranks under ZeRO-3,
+    each from one file (their metrics ports derived from the shard and the rank); each rank
+    trains its own shard's tasks and rank 0 publishes the whole model."""
     with recipe("two_ranks", tmp_path, run_subs(redis_url, "two-ranks", namespace, shards=2)) as run:
         pass
-    ranks = [records(run.cwd / f"steps-{rank}.jsonl") for rank in (0, 1)]
-    assert [[s["shard"] for s in steps] for steps in ranks] == [[0, 0], [1, 1]]
-    tasks = [{t for s in steps for t in s["tasks"]} for steps in ranks]
-    assert tasks[0] and tasks[1] and not tasks[0] & tasks[1]  # each rank its own shard's tasks
+    config = load(RunConfig, run.cwd / "trainer.yaml")
+    assert config.trainer.zero_stage == 3
+    for rank in (0, 1):
+        steps = records(run.cwd / f"steps-{rank}.jsonl")
+        assert [s["step"] for s in steps] == [0, 1] and all(s["shard"] == rank for s in steps)
+        for s in steps:  # every task of the rank's own batch share, once
+            batch = next(batches(config.data, rank, 2, start=s["step"]))["task_id"]
+            assert sorted(s["tasks"], key=int) == [str(t) for t in batch]
+        # the push is agreed: both ranks push version 1 at step 1; rank 0 publishes
+        assert [s["pushed"] for s in steps] == [None, 1] and all(s["publisher"] == (rank == 0) for s in steps)
+    # what rank 0 published is the whole model, gathered from both ranks' halves
+    published = RedisWeights(r, keys)
+    tensors = decode(*published.fetch(1), 1, published.location(1))
+    TinyTransformer(config.trainer.model.tiny.build()).load_state_dict(tensors, strict=True)
 
 
 @SERVER

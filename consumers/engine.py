@@ -25,7 +25,9 @@ Endpoints (OpenAI shapes, plus the extension fields below):
 |---|---|
 | `POST /v1/chat/completions` | `messages`, `max_tokens` / `max_completion_tokens`, `temperature` (> 0), `top_p` (1 only), `n`, `seed`, `stop`, `logprobs` (bool), `stream` |
 | `POST /v1/completions` | `prompt` (a string, or a list of token ids as vLLM takes it), the same sampling fields, `logprobs` (an int, 0 only), `stream` |
-| `GET /v1/models`, `GET /health`, `GET /get_weight_version` | the model, liveness, `{"weight_version": "3"}` |
+| `GET /v1/models`, `GET /get_weight_version` | the model, `{"weight_version": "3"}` |
+| `GET /health` | 200 `{"status": "ok", ...}`, or 503 `"status": "stale"` while it cannot follow the run's weights (`weights`: why, for how long) |
+| `GET /metrics` | Prometheus: `rollstream_engine_weights_following`, `_version`, `_failures_total` |
 | `POST /update_weights_from_disk` | SGLang's shape: `{"model_path": FILE_OR_DIR, "weight_version": "3"}` -> `{"success": true, "message"}` |
 | `POST /collective_rpc` | vLLM's dev-mode shape: `{"method": "reload_weights", "kwargs": {"weights_path": ..., "weight_version": ...}}` |
 
@@ -47,7 +49,11 @@ run's `weights` stream (`--weights-redis` + `--namespace`, or `--redis-config FI
 process config's user and password source: every announced version is
 loaded with `consumers.weights.load_weights`, digest checked), from a directory a
 `DirectoryPublisher` writes (`--weights-dir`, polled), or through the two admin endpoints
-(what `producers.engines` pushes to SGLang and vLLM).
+(what `producers.engines` pushes to SGLang and vLLM). A Redis outage never stops the
+follower: it retries (backoff up to 5 s), the engine answers with its last version
+meanwhile and says so (`/health`, the metrics), and what was announced in between is loaded
+once Redis answers. At start, a Redis it cannot reach or that refuses its credentials, and a
+`--model` that is not there or does not load, end the command in one line.
 """
 
 from __future__ import annotations

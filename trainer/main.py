@@ -11,7 +11,8 @@ admission consumers (one per shard: `rollstream admission --shard N`, with the s
 `scheduler` section) and rollout consumers (`rollstream consumer`, whose source runs the
 same `data.env`) run as their own processes.
 
-Each process: builds its DeepSpeed engine (torch.distributed from the launcher's
+Each process: reaches Redis and checks its credentials (a wrong URL or password fails at
+once, before DeepSpeed); builds its DeepSpeed engine (torch.distributed from the launcher's
 environment; `trainer.engine`); joins the `Pool` when the world has more than one rank
 (`shard = rank // share`; alone, the shard is `ROLLSTREAM_SHARD`, default 0); resumes from
 the newest checkpoint under `checkpoint.dir` when there is one (`trainer.checkpoint`: the
@@ -20,12 +21,15 @@ all with `trainer.loop.train` over its task stream (`batches`: a pure function o
 step, so the checkpointed step is the data position). It checkpoints every
 `checkpoint.every` steps, at the end, and when it is asked to stop: SIGTERM or SIGINT on
 any rank stops every rank after the step in progress (the stop is agreed in the pool),
-which checkpoints and exits 0. `/metrics`, `/healthz` and `/readyz` are served on
-`metrics_addr`. With `record` set, each step appends one JSON line: `StepRecord.row()`,
-plus `rank`, `shard`, `epoch`, `run` (this process's id), `pushed` (the weight version
-pushed before the step, or null), `publisher` (whether this rank publishes), `tasks` (the
-task ids of the groups its rows hold) and `cut_tasks` (admitted, but cut at packing), which
-is what an audit of trained tasks reads.
+which checkpoints and exits 0; while it waits for Redis (an outage) a signal ends the wait
+at once (`redis_io.Interrupted`: exit 1, no checkpoint past the last). Rows holding ids
+beyond the model's vocabulary, or positions beyond its context, stop it with a
+`VocabError` naming the setting to fix. `/metrics`, `/healthz` and `/readyz` are served on
+`metrics_addr` (`+rank` adds the launcher's `RANK` to its port). With `record` set, each
+step appends one JSON line: `StepRecord.row()`, plus `rank`, `shard`, `epoch`, `run` (this
+process's id), `pushed` (the weight version pushed before the step, or null), `publisher`
+(whether this rank publishes), `tasks` (the task ids of the groups its rows hold) and
+`cut_tasks` (admitted, but cut at packing), which is what an audit of trained tasks reads.
 """
 
 from __future__ import annotations

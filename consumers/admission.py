@@ -69,6 +69,7 @@ import redis
 from consumers import journal, trimming
 from pipeline import wire
 from pipeline.config import AdmissionConfig, load
+from pipeline.errors import guarded
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
 from pipeline.metrics import Metrics, serving
 from pipeline.packing import Group, PackedBatch, Rollout, pack
@@ -774,7 +775,7 @@ def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     recovered = threading.Event()  # ready once the state is rebuilt from Redis
-    with serving("admission", config.redis.namespace, config.metrics_addr,
+    with serving("admission", config.redis.namespace, config.metrics_addr, offsets={"shard": config.shard},
                  health=lambda: not stop.is_set(), ready=recovered.is_set) as metrics:
         admission = Admission(config, connect(config.redis), snapshot_every=snapshot_every,
                               metrics=metrics)
@@ -790,7 +791,8 @@ def _cli(argv: Sequence[str] | None = None) -> int:
                         help="transitions between scheduler snapshots (overrides the config)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    return main(load(AdmissionConfig, args.config), snapshot_every=args.snapshot_every)
+    return guarded(parser.prog, lambda: main(load(AdmissionConfig, args.config), snapshot_every=args.snapshot_every),
+                   config=args.config)
 
 
 if __name__ == "__main__":

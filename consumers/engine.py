@@ -25,7 +25,9 @@ Endpoints (OpenAI shapes, plus the extension fields below):
 |---|---|
 | `POST /v1/chat/completions` | `messages`, `max_tokens` / `max_completion_tokens`, `temperature` (> 0), `top_p` (1 only), `n`, `seed`, `stop`, `logprobs` (bool), `stream` |
 | `POST /v1/completions` | `prompt` (a string, or a list of token ids as vLLM takes it), the same sampling fields, `logprobs` (an int, 0 only), `stream` |
-| `GET /v1/models`, `GET /health`, `GET /get_weight_version` | the model, liveness, `{"weight_version": "3"}` |
+| `GET /v1/models`, `GET /get_weight_version` | the model, `{"weight_version": "3"}` |
+| `GET /health` | 200 `{"status": "ok", ...}`, or 503 `"status": "stale"` while it cannot follow the run's weights (`weights`: why, for how long) |
+| `GET /metrics` | Prometheus: `rollstream_engine_weights_following`, `_version`, `_failures_total` |
 | `POST /update_weights_from_disk` | SGLang's shape: `{"model_path": FILE_OR_DIR, "weight_version": "3"}` -> `{"success": true, "message"}` |
 | `POST /collective_rpc` | vLLM's dev-mode shape: `{"method": "reload_weights", "kwargs": {"weights_path": ..., "weight_version": ...}}` |
 
@@ -47,7 +49,11 @@ run's `weights` stream (`--weights-redis` + `--namespace`, or `--redis-config FI
 process config's user and password source: every announced version is
 loaded with `consumers.weights.load_weights`, digest checked), from a directory a
 `DirectoryPublisher` writes (`--weights-dir`, polled), or through the two admin endpoints
-(what `producers.engines` pushes to SGLang and vLLM).
+(what `producers.engines` pushes to SGLang and vLLM). A Redis outage never stops the
+follower: it retries (backoff up to 5 s), the engine answers with its last version
+meanwhile and says so (`/health`, the metrics), and what was announced in between is loaded
+once Redis answers. At start, a Redis it cannot reach or that refuses its credentials, and a
+`--model` that is not there or does not load, end the command in one line.
 """
 
 from __future__ import annotations
@@ -66,11 +72,15 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 from torch import nn
 
 from consumers.http import BadRequest, bad_requests, field, json_body, sse_response
 from consumers.tokenizers import CharTokenizer, HFTokenizer, has_tokenizer
 from consumers.sources.policy import _last_logits, build_model
+from pipeline.errors import CommandError, ConfigError
+from pipeline.metrics import Metrics
+from trainer.model import context_size, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -80,28 +90,37 @@ MAX_N = 16
 # ----------------------------------------------------------------------------- models
 
 
+MODEL_SPECS = "tiny, a trainer ModelConfig YAML/JSON file, or a Hugging Face model directory (config.json)"
+
+
 def _model_from_path(path: Path) -> tuple[nn.Module, Any]:
     """A model (and its tokenizer) from a trainer ModelConfig file or a Hugging Face directory."""
-    if path.is_file():
-        from pipeline.config import load
-        from trainer.config import ModelConfig
+    from pipeline.config import load
+    from trainer.config import ModelConfig
 
-        model = build_model(load(ModelConfig, path).build())
-        return model, None
+    if path.is_file():
+        return build_model(load(ModelConfig, path).build()), None
+    if not path.exists():
+        raise ConfigError(f"--model {path}: no such file or directory; give {MODEL_SPECS}")
     if not (path / "config.json").exists():
-        raise ValueError(f"--model {path}: neither a ModelConfig file nor a directory with config.json")
+        raise ConfigError(f"--model {path}: a directory without config.json; give {MODEL_SPECS}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
-    else:
-        model = build_model(config)
-    return model, HFTokenizer(path) if has_tokenizer(path) else None
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
+        else:
+            model = build_model(config)
+        tokenizer = HFTokenizer(path) if has_tokenizer(path) else None
+    except (OSError, ValueError, KeyError) as exc:  # transformers' refusals of a directory
+        raise CommandError(f"--model {path}: cannot load the model: {type(exc).__name__}: {exc}") from exc
+    return model, tokenizer
 
 
 def build(spec: str) -> Engine:
-    """The engine `--model` names: `tiny`, a ModelConfig file, or a Hugging Face directory."""
+    """The engine `--model` names: `tiny`, a ModelConfig file, or a Hugging Face directory;
+    a model that is not there is a ConfigError, one that does not load a CommandError."""
     if spec == "tiny":
         from trainer.config import TinyModelConfig
 
@@ -109,16 +128,6 @@ def build(spec: str) -> Engine:
     else:
         model, tokenizer = _model_from_path(Path(spec))
     return Engine(model, tokenizer, name="tiny" if spec == "tiny" else Path(spec).name)
-
-
-def _context(model: nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "max_positions", None) or getattr(cfg, "max_position_embeddings", None)
-
-
-def _vocab_size(model: nn.Module) -> int:
-    cfg = getattr(model, "config", None)
-    return int(getattr(cfg, "vocab", None) or cfg.vocab_size)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -158,12 +167,17 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, version: int = 0, name: str = "tiny",
                  max_tokens: int = 16) -> None:
         self.model = model.eval()
-        self.tokenizer = tokenizer or CharTokenizer(size=_vocab_size(model))
+        self.tokenizer = tokenizer or CharTokenizer(size=vocab_size(model))
         self.version, self.name, self.default_max_tokens = version, name, max_tokens
-        self.context = _context(model)
+        self.context = context_size(model)
         self._lock = threading.Lock()  # one request samples at a time; weights load between
         self._rng = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "little"))
         self.stats = {"requests": 0, "tokens": 0, "loads": 0, "load_errors": 0}
+        self.followers: list[Any] = []  # what loads new versions (`_Follower`s), for /health
+        self.metrics = Metrics(process=True, component="engine")
+        self.metrics.set_build(component="engine", run="")  # a run's namespace once it follows one
+        self.metrics.engine_weights_version.set(version)
+        self.metrics.engine_weights_following.set(1)  # 0 only while a follower fails
 
     # ------------------------------------------------------------------ weights
 
@@ -182,6 +196,7 @@ class Engine:
                 self.model.load_state_dict(dict(state))
             self.version = int(version)
             self.stats["loads"] += 1
+            self.metrics.engine_weights_version.set(self.version)
         log.info("engine %s: serving weights version %d", self.name, version)
 
     def load_path(self, path: str | Path, version: int | None = None) -> int:
@@ -323,7 +338,7 @@ class Engine:
                 return self.tokenizer.encode(prompt)
             except ValueError as exc:
                 raise BadRequest(f"prompt: {exc}", param="prompt") from exc
-        size = _vocab_size(self.model)
+        size = vocab_size(self.model)
         if any(t < 0 or t >= size for t in prompt):
             raise BadRequest(f"prompt holds token ids outside [0, {size})", param="prompt")
         return list(prompt)
@@ -343,13 +358,23 @@ class Engine:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/get_weight_version", self._weight_version)
         app.router.add_post("/update_weights_from_disk", self._update_from_disk)
         app.router.add_post("/collective_rpc", self._collective_rpc)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "weight_version": self.version, **self.stats})
+        """200 while every follower follows the run's weights; 503 (`"status": "stale"`)
+        while one cannot: the engine still answers, with its last version."""
+        weights = [f.status() for f in self.followers]
+        ok = all(w["following"] for w in weights)
+        return web.json_response({"status": "ok" if ok else "stale", "weight_version": self.version,
+                                  **self.stats, "weights": weights}, status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encoder(self.metrics.registry), headers={"Content-Type": content_type})
 
     async def _weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": str(self.version)})
@@ -513,13 +538,19 @@ def _weights_file(path: Path) -> Path:
 
 
 class _Follower:
-    """A thread that loads new versions into `engine` until `stop()`; a failure is kept in
-    `failure` (and logged) rather than lost with the thread."""
+    """A thread that loads new versions into `engine` until `stop()`. While it cannot follow
+    (its source unreachable, or the thread stopped by a failure, kept in `failure`) it says
+    so in `status()`, which `/health` and the engine's metrics report."""
+
+    source = "weights"
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.stop_event = threading.Event()
         self.failure: BaseException | None = None
+        self.error: str | None = None  # why it cannot follow now; None while it follows
+        self.since: float | None = None  # when it last stopped following (time.monotonic)
+        engine.followers.append(self)
         self.thread = threading.Thread(target=self._guarded, name="rollstream-engine-weights", daemon=True)
         self.thread.start()
 
@@ -528,11 +559,39 @@ class _Follower:
             self._follow()
         except BaseException as exc:
             self.failure = exc
+            self._lost(exc, retrying=False)
             log.exception("engine: the weights follower stopped")
             raise
 
     def _follow(self) -> None:
         raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        """`{"source", "following", "error", "for_s"}`: whether the engine follows the run's
+        weights now, and if not why and for how long (it serves its last version meanwhile)."""
+        following = self.error is None and self.failure is None and self.thread.is_alive()
+        lost_s = None if self.since is None else round(time.monotonic() - self.since, 1)
+        return {"source": self.source, "following": following, "error": self.error,
+                "for_s": None if following else lost_s}
+
+    def _lost(self, exc: BaseException, *, retrying: bool = True) -> None:
+        """An attempt failed: report it (once per outage in the log), count it."""
+        first = self.error is None
+        self.error = f"{type(exc).__name__}: {exc}"
+        self.since = self.since if not first else time.monotonic()
+        self.engine.metrics.engine_weights_failures.inc()
+        self.engine.metrics.engine_weights_following.set(0)
+        if first and retrying:
+            log.warning("engine: cannot follow the run's weights (%s); serving version %d meanwhile, "
+                        "retrying (/health reports it)", self.error, self.engine.version)
+
+    def _followed(self) -> None:
+        """An attempt succeeded: following again."""
+        if self.error is not None:
+            log.warning("engine: following the run's weights again after %.1fs (version %d)",
+                        time.monotonic() - (self.since or time.monotonic()), self.engine.version)
+        self.error, self.since = None, None
+        self.engine.metrics.engine_weights_following.set(1)
 
     def _missing(self, version: int, exc: Exception) -> None:
         """A version gone before it was read (superseded and pruned): counted; a newer one follows."""
@@ -546,44 +605,56 @@ class _Follower:
 
 class RedisFollower(_Follower):
     """Loads every version announced on a run's `weights` stream (the newest one at start,
-    then each later one), digest checked. Redis outages back off and give up after
-    `RedisConfig.reconnect_s`, like the consumers."""
+    then each later one), digest checked. A Redis outage (or refused credentials) never
+    stops it: it retries with a capped backoff, reports that it cannot follow meanwhile
+    (`status()`: `/health`, `rollstream_engine_weights_following`), and loads what was
+    announced in between once Redis answers again."""
 
-    def __init__(self, engine: Engine, redis_config: Any, *, block_ms: int = 1000) -> None:
+    source = "redis"
+
+    def __init__(self, engine: Engine, redis_config: Any, *, block_ms: int = 1000, cap_s: float = 5.0) -> None:
         from pipeline.keys import Keys
         from pipeline.redis_io import connect
 
-        self.config, self.block_ms = redis_config, block_ms
+        self.config, self.block_ms, self.cap_s = redis_config, block_ms, cap_s
         self.keys = Keys(redis_config.namespace)
         self.r = connect(redis_config)
+        engine.metrics.set_build(component="engine", run=redis_config.namespace)
         super().__init__(engine)
 
     def _follow(self) -> None:
+        from pipeline.redis_io import FATAL, RETRYABLE, backoff_s, text
+
+        pending: list[tuple[bytes, dict]] | None = None  # read, not yet loaded; None: read the newest
+        last, failures = "0", 0
+        while not self.stop_event.is_set():
+            try:
+                if pending is None:
+                    pending = list(self.r.xrevrange(self.keys.weights, count=1))
+                while pending:
+                    entry_id, fields = pending[0]
+                    self._load(fields)
+                    last = text(entry_id)
+                    pending.pop(0)
+                reply = self.r.xread({self.keys.weights: last}, block=self.block_ms)
+                pending = list(reply[0][1]) if reply else []
+                self._followed()
+                failures = 0
+            except (*RETRYABLE, *FATAL) as exc:  # never given up: reported, retried
+                self._lost(exc)
+                self.stop_event.wait(backoff_s(failures, 0.1, self.cap_s))
+                failures += 1
+
+    def _load(self, fields: dict) -> None:
         from consumers.weights import WeightsMissing, load_weights
         from pipeline import wire
-        from pipeline.redis_io import FATAL, RETRYABLE, Outage, text
 
-        outage = Outage("engine weights follower", self.config.reconnect_s)
-        entries = self.r.xrevrange(self.keys.weights, count=1)  # the newest announced version
-        last = text(entries[0][0]) if entries else "0"
-        while not self.stop_event.is_set():
-            for entry_id, fields in entries:
-                last = text(entry_id)
-                w = wire.from_fields(fields, wire.Weights)
-                if w.version > self.engine.version:
-                    try:
-                        self.engine.load_state(load_weights(w.location, redis=self.r), w.version)
-                    except WeightsMissing as exc:
-                        self._missing(w.version, exc)
+        w = wire.from_fields(fields, wire.Weights)
+        if w.version > self.engine.version:
             try:
-                reply = self.r.xread({self.keys.weights: last}, block=self.block_ms)
-                outage.ended()
-            except FATAL:
-                raise
-            except RETRYABLE as exc:
-                self.stop_event.wait(outage.failed(exc))
-                reply = []
-            entries = reply[0][1] if reply else []
+                self.engine.load_state(load_weights(w.location, redis=self.r), w.version)
+            except WeightsMissing as exc:
+                self._missing(w.version, exc)
 
     def stop(self) -> None:
         super().stop()
@@ -592,6 +663,8 @@ class RedisFollower(_Follower):
 
 class DirectoryFollower(_Follower):
     """Loads the newest `v<N>.safetensors` a `DirectoryPublisher` wrote, polled every `poll_s`."""
+
+    source = "directory"
 
     def __init__(self, engine: Engine, path: str | Path, *, poll_s: float = 0.5) -> None:
         from consumers.weights import DirectoryWeights, WeightsLoader
@@ -621,7 +694,7 @@ def _weights_redis(args: argparse.Namespace) -> Any:
     """The RedisConfig whose run's weights the engine follows: `--redis-config FILE` (a
     process config's redis section, with its user and password source) or `--weights-redis
     URL --namespace NS`; None without either."""
-    from pipeline.config import ConfigError, RedisConfig, build, load_redis_section
+    from pipeline.config import RedisConfig, build, load_redis_section
 
     if getattr(args, "redis_config", None):
         if args.weights_redis:
@@ -636,10 +709,15 @@ def main(args: argparse.Namespace) -> int:
     """`rollstream engine` (its options: `pipeline.cli`)."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    redis_config = _weights_redis(args)
+    if redis_config is not None:
+        from pipeline.redis_io import check, connect
+
+        with connect(redis_config) as r:  # a wrong URL or password fails at start, in one line
+            check(r, redis_config)
     engine = build(args.model)
     engine.default_max_tokens = args.max_tokens
     followers: list[Any] = []
-    redis_config = _weights_redis(args)
     if redis_config is not None:
         followers.append(RedisFollower(engine, redis_config))
     if args.weights_dir:
@@ -653,5 +731,5 @@ def main(args: argparse.Namespace) -> int:
     app.on_cleanup.append(stop_followers)
     from consumers.http import serve
 
-    log.warning("rollstream engine: %s on %s:%d (context %s)", engine.name, args.host, args.port, engine.context)
+    log.info("rollstream engine: %s on %s:%d (context %s)", engine.name, args.host, args.port, engine.context)
     return serve(app, args.host, args.port)

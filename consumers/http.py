@@ -11,13 +11,17 @@ tests and in-process set-ups).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from aiohttp import web
+
+from pipeline.errors import CommandError
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +158,13 @@ class ServerThread:
 
 
 def serve(app: web.Application, host: str, port: int) -> int:
-    """Serve `app` in this process until SIGTERM/SIGINT (a process's entry point)."""
-    web.run_app(app, host=host, port=port, print=lambda line: log.warning("%s", line))
+    """Serve `app` in this process until SIGTERM/SIGINT (a process's entry point); an
+    address that cannot be bound is a `CommandError` naming `--host` and `--port`."""
+    try:
+        web.run_app(app, host=host, port=port, print=lambda line: log.warning("%s", line))
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        raise CommandError(f"--host {host} --port {port}: cannot listen there: {os.strerror(exc.errno)}; "
+                           f"pick another --port (or stop what holds it)") from exc
     return 0

@@ -67,6 +67,7 @@ import redis
 from consumers.sources import load_source
 from pipeline import wire
 from pipeline.config import ConsumerConfig, build, load
+from pipeline.errors import guarded
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.metrics import Metrics, serving
 from pipeline.redis_io import (
@@ -583,11 +584,15 @@ def _cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", help="consumer name (default: host-pid-random)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    config = load(ConsumerConfig, args.config)
-    overrides = {k: v for k, v in (("source", args.source), ("slots", args.slots)) if v is not None}
-    if overrides:
-        config = build(ConsumerConfig, {**config.model_dump(), **overrides})
-    return main(config, name=args.name)
+
+    def run() -> int:
+        config = load(ConsumerConfig, args.config)
+        overrides = {k: v for k, v in (("source", args.source), ("slots", args.slots)) if v is not None}
+        if overrides:
+            config = build(ConsumerConfig, {**config.model_dump(), **overrides})
+        return main(config, name=args.name)
+
+    return guarded(parser.prog, run, config=args.config)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 from pipeline.config import (
-    AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, SchedulerConfig, build, load,
-    load_redis_section,
+    AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build, load, load_redis_section,
 )
+from pipeline.errors import guarded
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -101,14 +102,15 @@ def _trainer(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from pipeline import status
     from pipeline.keys import Keys
-    from pipeline.redis_io import connect
+    from pipeline.redis_io import check, connect
 
     if args.config:
         config = load_redis_section(args.config)
     else:
         config = build(RedisConfig, {"url": args.url, "namespace": args.namespace})
-    return status.main(connect(config), Keys(config.namespace), config.url,
-                       shards=args.shards, as_json=args.json)
+    r = connect(config)
+    check(r, config)
+    return status.main(r, Keys(config.namespace), config.url, shards=args.shards, as_json=args.json)
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -237,23 +239,29 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Its configuration, credential, connection, import, bind and model
+    errors end in one line naming what to fix and exit code 2 (what was given cannot run)
+    or 1 (it cannot run now); `--log-level DEBUG` adds the traceback (`pipeline.errors`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # a module the config names (a source, a verifier) may live in the current folder, as
+    # under `python -m`; searched last, so it never shadows an installed package
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     if argv[:1] == ["demo"]:  # the demo parses its own options (rollstream demo --help)
         from trainer import demo
 
-        return demo.main(argv[1:])
+        return guarded("rollstream demo", lambda: demo.main(argv[1:]))
     if argv[:1] == ["chaos"]:  # so does the chaos run (rollstream chaos --help)
         from trainer import chaos
 
-        return chaos.main(argv[1:])
+        return guarded("rollstream chaos", lambda: chaos.main(argv[1:]))
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.run(args)
-    except ConfigError as exc:
-        print(f"rollstream: {exc}", file=sys.stderr)
-        return 2
+    level = args.log_level.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        parser().error(f"--log-level {args.log_level}: not a logging level (DEBUG, INFO, WARNING, ERROR)")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return guarded(f"rollstream {args.command}", lambda: args.run(args), debug=level == "DEBUG",
+                   config=getattr(args, "config", None) or getattr(args, "redis_config", None))
 
 
 if __name__ == "__main__":

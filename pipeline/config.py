@@ -6,24 +6,26 @@ bad config fails at start with the offending field named (`ConfigError`).
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+import types
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import ConfigError
 
 ESTIMATORS = ("group", "group_mean", "rloo")
 TRUNCATIONS = ("mask", "score", "zero")
 ADMISSIONS = ("batch", "stream")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the default of every process's `max_message_bytes` (pipeline.wire's)
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names every offending field."""
 
 
 class _Model(BaseModel):
@@ -101,8 +103,22 @@ class RedisConfig(_Model):
         if scheme.lower() not in ("redis", "rediss", "unix"):
             raise ValueError(f"url must start with redis://, rediss:// or unix://, got {url.rpartition('@')[2]!r}")
         if urlsplit(url).password is not None:  # the URL is logged and shown; a password is not
-            raise ValueError("must not hold a password: give it through password_env or password_file")
+            raise ValueError("must not hold a password: give it through password_env (an environment "
+                             "variable's name) or password_file")
         return url
+
+    @model_validator(mode="after")
+    def _one_user(self) -> "RedisConfig":
+        named = _url_user(self.url)
+        if named is not None and self.username is not None and named != self.username:
+            raise ValueError(f"url names user {named!r} and username is {self.username!r}: give the user once")
+        return self
+
+    @property
+    def user(self) -> str | None:
+        """The ACL user to connect as: `username`, or the URL's (`redis://NAME@host`), as
+        redis-py reads it; None: Redis's `default` user."""
+        return self.username if self.username is not None else _url_user(self.url)
 
     def password(self) -> str | None:
         """The password, from `password_file` or else the variable `password_env` names."""
@@ -116,6 +132,35 @@ class RedisConfig(_Model):
         if self.password_env:
             return os.environ.get(self.password_env) or None
         return None
+
+
+def _url_user(url: str) -> str | None:
+    """The user name a `redis://NAME@host` URL holds (percent-decoded), or None."""
+    name = urlsplit(url).username
+    return unquote(name) if name else None
+
+
+def metrics_address(addr: str, offsets: Sequence[str] = (), **values: int) -> tuple[str, int]:
+    """`(host, port)` of a `metrics_addr`: `host:port`, `[v6]:port` or `:port` (127.0.0.1);
+    port 0 binds any free port. `host:port+shard` (or `+rank`: a name of `offsets`) adds the
+    process's shard (rank), given in `values`, to the port, so that the processes started
+    from one file on one machine bind distinct ports. Raises ValueError saying what is wrong."""
+    base, plus, offset = addr.partition("+")
+    host, sep, port = base.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535 or (plus and not offset):
+        shapes = " or ".join(["host:port", *(f"host:port+{o}" for o in offsets)])
+        raise ValueError(f"must be {shapes}, got {addr!r}")
+    number = int(port)
+    if plus:
+        if offset not in offsets:
+            raise ValueError(f"{addr!r}: +{offset} means nothing here " + (
+                f"(only +{' or +'.join(offsets)})" if offsets else "(give a port, or port 0 for a free one)"))
+        if number == 0:
+            raise ValueError(f"{addr!r}: port 0 picks a free port already; drop +{offset}")
+        number += values.get(offset, 0)
+        if number > 65535:
+            raise ValueError(f"{addr!r}: {offset} {values[offset]} makes port {number}, past 65535")
+    return host.strip("[]") or "127.0.0.1", number
 
 
 class AdmissionConfig(_Model):
@@ -136,7 +181,15 @@ class AdmissionConfig(_Model):
         "dead-lettered and its sample resubmitted; None: any non-negative int32 id")
     max_message_bytes: int = Field(
         MAX_MESSAGE_BYTES, ge=1024, description="largest entry read (bigger ones are dead-lettered) or written")
-    metrics_addr: str = "127.0.0.1:9400"
+    metrics_addr: str = Field(
+        "127.0.0.1:9400+shard", description="host:port of /metrics, /healthz and /readyz; +shard adds "
+        "the shard to the port (shard 0: 9400, shard 1: 9401), port 0 picks a free one")
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr(cls, addr: str) -> str:
+        metrics_address(addr, ("shard",))
+        return addr
 
 
 class ConsumerConfig(_Model):
@@ -155,7 +208,15 @@ class ConsumerConfig(_Model):
     max_message_bytes: int = Field(
         MAX_MESSAGE_BYTES, ge=1024, description="largest entry read (bigger ones are dead-lettered) or "
         "written (a bigger result is reported as an infra_error instead)")
-    metrics_addr: str = "127.0.0.1:9401"
+    metrics_addr: str = Field(
+        "127.0.0.1:0", description="host:port of /metrics and /healthz; port 0 (the default) picks "
+        "a free one, so that several consumers run from one file on one machine")
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr(cls, addr: str) -> str:
+        metrics_address(addr)
+        return addr
 
     @model_validator(mode="after")
     def _drain(self) -> "ConsumerConfig":
@@ -173,13 +234,82 @@ def _name(part: str | int) -> str:
     return str(part) if isinstance(part, int) or part.isidentifier() else repr(part)
 
 
-def describe(exc: ValidationError) -> str:
-    """One line per offending field: `a.b: reason`."""
-    lines = []
+def describe(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One clause per offending field, `a.b: reason`, on one line. Given the `model`, an
+    unknown field gets a hint: the field it is close to ("did you mean"), or the section
+    that has a field of that name; several unknown fields that all belong to one section
+    (a section's content written at the top level) get one clause that says so."""
+    clauses, misplaced = [], {}
     for err in exc.errors():
-        where = ".".join(_name(p) for p in err["loc"]) or "(config)"
-        lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
-    return "; ".join(lines)
+        loc = err["loc"]
+        where = ".".join(_name(p) for p in loc) or "(config)"
+        reason = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and model is not None and loc and isinstance(loc[-1], str):
+            parent = _model_at(model, loc[:-1])
+            section = _section_of(parent, loc[-1]) if parent is not None else None
+            if section is not None:
+                misplaced.setdefault((loc[:-1], section), []).append((where, reason))
+                continue
+            hint = _close_field(parent, loc) if parent is not None else None
+            reason += f" (did you mean {hint}?)" if hint else ""
+        clauses.append(f"{where}: {reason}")
+    for (parent_loc, section), fields in misplaced.items():
+        full = ".".join([*map(_name, parent_loc), section])
+        if len(fields) == 1:
+            where, reason = fields[0]
+            clauses.append(f"{where}: {reason} (did you mean {full}.{where.rpartition('.')[2]}?)")
+        else:
+            names = ", ".join(w for w, _ in fields)
+            clauses.append(f"{names}: Extra inputs are not permitted here; they are fields of the "
+                           f"{full} section: put them under `{section.rpartition('.')[2]}:`")
+    return "; ".join(clauses)
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (`X`, `X | None`), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _submodel(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _model_at(model: type[BaseModel], loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The model of the section at `loc` under `model`, or None (not a section)."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        sub = _submodel(field.annotation) if field is not None else None
+        if sub is None:
+            return None
+        model = sub
+    return model
+
+
+def _section_of(model: type[BaseModel], name: str, depth: int = 3) -> str | None:
+    """The dotted path of the nearest section under `model` that has a field `name`."""
+    frontier = [("", model)]
+    for _ in range(depth):
+        deeper = []
+        for path, m in frontier:
+            for field_name, field in m.model_fields.items():
+                sub = _submodel(field.annotation)
+                if sub is None:
+                    continue
+                sub_path = f"{path}.{field_name}" if path else field_name
+                if name in sub.model_fields:
+                    return sub_path
+                deeper.append((sub_path, sub))
+        frontier = deeper
+    return None
+
+
+def _close_field(model: type[BaseModel], loc: Sequence[str | int]) -> str | None:
+    """The dotted name of `model`'s field closest to the unknown `loc[-1]`, if one is close."""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.75)
+    return ".".join([*map(_name, loc[:-1]), close[0]]) if close else None
 
 
 def build(model: type[M], data: Any) -> M:
@@ -187,7 +317,7 @@ def build(model: type[M], data: Any) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid {model.__name__}: {describe(exc)}") from None
+        raise ConfigError(f"invalid {model.__name__}: {describe(exc, model)}") from None
 
 
 class _Loader(yaml.SafeLoader):
@@ -202,8 +332,12 @@ _Loader.add_implicit_resolver(
 
 
 def load(model: type[M], path: str | os.PathLike[str]) -> M:
-    """Read a YAML or JSON file into `model`."""
-    return build(model, _read(path))
+    """Read a YAML or JSON file into `model`; a ConfigError names the file."""
+    data = _read(path)
+    try:
+        return build(model, data)
+    except ConfigError as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
 
 
 def load_redis_section(path: str | os.PathLike[str]) -> RedisConfig:
@@ -212,7 +346,10 @@ def load_redis_section(path: str | os.PathLike[str]) -> RedisConfig:
     section = _read(path).get("redis", {})
     if not isinstance(section, dict):
         raise ConfigError(f"config {path}: redis must be a mapping, got {type(section).__name__}")
-    return build(RedisConfig, section)
+    try:
+        return build(RedisConfig, section)
+    except ConfigError as exc:
+        raise ConfigError(f"config {path}: redis: {exc}") from None
 
 
 def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -227,9 +364,19 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
     except Exception as exc:  # noqa: BLE001 (PyYAML's constructors raise many kinds: `!!int x`, `!!bool x`, ...)
-        raise ConfigError(f"config {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
+        raise ConfigError(f"config {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
+                          f"{_syntax_error(exc)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config {p} must be a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def _syntax_error(exc: Exception) -> str:
+    """A JSON or YAML parser's error in one line, with the line and column it names."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        return f"{at}{exc.problem or exc.context}"
+    return " ".join(str(exc).split())

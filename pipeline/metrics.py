@@ -17,7 +17,9 @@ counts a step twice; the rest stay empty in a process's scrape):
 - rollout consumer (label `consumer`): `set_slots`, `dead_letter`;
 - trainer (label `shard`: the shard the rank trains): `observe_train` per optimizer step
   (steps, updates, its own wait, step seconds, tokens per second, mean reward, the loss
-  metrics), `observe_push` per weight push (the publishing rank).
+  metrics), `observe_push` per weight push (the publishing rank);
+- `rollstream engine` (no labels): the version it serves, whether it follows the run's
+  weights and its failed attempts (`consumers.engine`, served on its own `/metrics`).
 
 `serve(metrics, "host:port", health=..., ready=...)` runs the HTTP endpoint: `/metrics`
 (Prometheus text, or OpenMetrics when the scraper asks for it), `/healthz` and `/readyz`.
@@ -49,6 +51,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 
+from pipeline.config import metrics_address
+from pipeline.errors import CommandError
 from pipeline.scheduler import Cancel, Discard, SchedulerRecord, Submit
 from pipeline.sessions import Status
 
@@ -99,6 +103,9 @@ UNLABELLED_OWNER = {
     "weights_served_version": "admission",
     "weights_published_version": "trainer",
     "weights_push_seconds": "trainer",
+    "engine_weights_following": "engine",
+    "engine_weights_version": "engine",
+    "engine_weights_failures_total": "engine",
 }
 """The process that exports each family without labels. A labelled family only shows the
 series a process sets, but an unlabelled one is exported (as 0) as soon as it is
@@ -110,7 +117,7 @@ class Metrics:
 
     `process=True` also registers the process and platform collectors (CPU, memory, open
     file descriptors, Python version) on the same registry, as the servers want.
-    `component` (admission, consumer, trainer) leaves the unlabelled families other
+    `component` (admission, consumer, trainer, engine) leaves the unlabelled families other
     processes own off the registry (`UNLABELLED_OWNER`); their objects still take calls.
     None registers every family."""
 
@@ -127,7 +134,7 @@ class Metrics:
             return r if component is None or owner is None or owner == component else None
 
         def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, tuple(labels), registry=r)
+            return Counter(PREFIX + name, doc, tuple(labels), registry=own(name))
 
         def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
             return Gauge(PREFIX + name, doc, tuple(labels), registry=own(name))
@@ -234,6 +241,17 @@ class Metrics:
         self.weights_push = histogram(
             "weights_push_seconds", "Seconds of each weight push, agreement to publication.",
             (), WAIT_BUCKETS)
+
+        # -- rollstream engine (the CPU inference server; no labels: one model per process)
+        self.engine_weights_following = gauge(
+            "engine_weights_following", "1 unless the engine fails to follow the run's weights "
+            "(its last read of them failed), 0 while it cannot (Redis unreachable or refusing it): it then "
+            "serves its last version and /health answers 503.")
+        self.engine_weights_version = gauge(
+            "engine_weights_version", "Weight version the engine serves now.")
+        self.engine_weights_failures = counter(
+            "engine_weights_failures_total", "Failed attempts of the engine to read or load the "
+            "run's weights (each is retried).")
 
         self.build = Info(PREFIX + "build", "The running rollstream build.", registry=r)
 
@@ -374,11 +392,10 @@ def sample_names(metrics: Metrics) -> set[str]:
 
 def parse_addr(addr: str) -> tuple[str, int]:
     """`"host:port"` (or `"[v6]:port"`, or `":port"` for 127.0.0.1) to `(host, port)`."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"metrics address must be host:port, got {addr!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port)
+    try:
+        return metrics_address(addr)
+    except ValueError as exc:
+        raise ValueError(f"metrics address {exc}") from None
 
 
 @dataclass
@@ -464,11 +481,22 @@ def serve(metrics: Metrics, addr: str = "127.0.0.1:0", *,
 
 @contextlib.contextmanager
 def serving(component: str, run: str, addr: str, *, health: Callable[[], bool],
-            ready: Callable[[], bool] | None = None) -> Iterator[Metrics]:
-    """A process's `Metrics`, labelled with its role and run, served on `addr` until exit."""
+            ready: Callable[[], bool] | None = None, offsets: Mapping[str, int] | None = None) -> Iterator[Metrics]:
+    """A process's `Metrics`, labelled with its role and run, served until exit on `addr`
+    (a config's `metrics_addr`; `offsets` gives the values of its `+shard` or `+rank`). An
+    address that cannot be bound is a `CommandError` naming `metrics_addr`."""
+    offsets = dict(offsets or {})
+    host, port = metrics_address(addr, tuple(offsets), **offsets)
     metrics = Metrics(process=True, component=component)
     metrics.set_build(component=component, run=run)
-    server = serve(metrics, addr, health=health, ready=ready)
+    try:
+        server = serve(metrics, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", health=health, ready=ready)
+    except OSError as exc:
+        resolved = "" if addr == f"{host}:{port}" else f" (port {port} here)"
+        derive = "".join(f"+{name} adds the {name} to the port; " for name in offsets)
+        raise CommandError(
+            f"metrics_addr {addr}{resolved}: cannot serve /metrics there: {exc.strerror or exc}. "
+            f"Give each process on this machine its own port ({derive}port 0 picks a free one)") from exc
     try:
         yield metrics
     finally:

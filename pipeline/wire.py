@@ -675,10 +675,10 @@ def check_result(result: Result, *, vocab: int | None = None, width: int | None 
             continue
         if len(chain) and int(chain.tokens.max()) >= vocab:
             raise SchemaError("chains.tokens", f"token id {int(chain.tokens.max())} is beyond the "
-                              f"vocabulary of {vocab}")
+                              f"vocabulary of {vocab} (the config's vocab)")
         if chain.support is not None and chain.support.size and int(chain.support.max()) >= vocab:
             raise SchemaError("chains.support", f"token id {int(chain.support.max())} is beyond the "
-                              f"vocabulary of {vocab}")
+                              f"vocabulary of {vocab} (the config's vocab)")
     started, finished = result.timings.get("started"), result.timings.get("finished")
     if started is not None and finished is not None and finished < started:
         raise SchemaError("timings.finished", f"{finished} is before timings.started {started}: "

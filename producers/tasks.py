@@ -15,12 +15,14 @@ seconds: reads are retried (the trainer's pending ready entry is read again), an
 whose reply was lost is checked against the stream's newest entry before it is sent again
 (`redis_io.append_once`: this writer is its streams' only writer), so nothing is appended
 twice. Past `reconnect_s`, `RedisUnavailable` propagates and the trainer resumes from its
-checkpoint in a new epoch.
+checkpoint in a new epoch. Given the process's `stop` event, a wait for Redis ends with
+`redis_io.Interrupted` as soon as it is set (SIGTERM during an outage).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -48,18 +50,20 @@ class TaskWriter:
     """The trainer side of one shard's streams (see the module docstring)."""
 
     def __init__(self, redis: redis.Redis, keys: Keys, shard: int, *, name: str | None = None,
-                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES, reconnect_s: float = 300.0) -> None:
+                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES, reconnect_s: float = 300.0,
+                 stop: threading.Event | None = None) -> None:
         self.r = redis
         self.keys = keys
         self.shard = shard
         self.name = name or f"trainer-{shard}"
         self.max_message_bytes = max_message_bytes  # an entry past it is refused (written) or dead-lettered (read)
         self.reconnect_s = reconnect_s
+        self.stop = stop
         self.ride(lambda: ensure_group(self.r, keys.ready(shard), TRAINER_GROUP), "creating the ready group")
 
     def ride(self, fn, what: str):
         """`fn()` (idempotent), through a Redis outage of up to `reconnect_s`."""
-        return ride_out(fn, what=f"trainer {self.shard}: {what}", total_s=self.reconnect_s)
+        return ride_out(fn, what=f"trainer {self.shard}: {what}", total_s=self.reconnect_s, stop=self.stop)
 
     # ------------------------------------------------------------------ writes
 
@@ -93,7 +97,7 @@ class TaskWriter:
         except wire.SchemaError as exc:
             raise wire.SchemaError(exc.field, f"{msg.KIND} refused, not written: {exc.reason}") from None
         return append_once(self.r, stream, fields, what=f"trainer {self.shard}: appending {msg.KIND}",
-                           total_s=self.reconnect_s)
+                           total_s=self.reconnect_s, stop=self.stop)
 
     # ------------------------------------------------------------------ reads
 

@@ -1,7 +1,11 @@
-"""`TrainerConfig`: the trainer process's validated configuration (YAML or JSON).
+"""The trainer's validated configuration: `RunConfig`, the file of `rollstream trainer
+--config trainer.yaml` (examples/*/trainer.yaml), whose `trainer:` section is a
+`TrainerConfig` (the model, the optimizer, the ZeRO stage, the backend).
 
-    config = load(TrainerConfig, "trainer.yaml")        # pipeline.config.load
+    config = load(RunConfig, "trainer.yaml").trainer     # pipeline.config.load
     engine = build_engine(config)                       # trainer.engine
+
+The `trainer:` section:
 
 ```yaml
 model:  {kind: tiny, tiny: {vocab: 64, d_model: 64, n_layers: 2, n_heads: 4, max_positions: 64}}
@@ -24,9 +28,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from pipeline.config import RedisConfig, SchedulerConfig, _Model
+from pipeline.config import RedisConfig, SchedulerConfig, _Model, metrics_address
 from trainer.model import TinyConfig
 
 
@@ -185,7 +189,9 @@ class RunConfig(_Model):
     """`rollstream trainer --config FILE`: one trainer process (one DeepSpeed rank)."""
 
     redis: RedisConfig = RedisConfig()
-    metrics_addr: str = "127.0.0.1:9402"
+    metrics_addr: str = Field(
+        "127.0.0.1:9500+rank", description="host:port of /metrics, /healthz and /readyz; +rank adds "
+        "the rank to the port (rank 0: 9500, rank 1: 9501), port 0 picks a free one")
     trainer: TrainerConfig = TrainerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
@@ -201,6 +207,12 @@ class RunConfig(_Model):
     record: str | None = Field(
         None, description="JSON lines, one per step (StepRecord.row() and the trained tasks); "
         "{rank} is replaced by the rank")
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr(cls, addr: str) -> str:
+        metrics_address(addr, ("rank",))
+        return addr
 
     @model_validator(mode="after")
     def _resume(self) -> RunConfig:

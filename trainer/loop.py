@@ -2,7 +2,7 @@
 
     rollstream demo --steps 60 --out runs/demo      # all of it on one machine (trainer/demo.py)
 
-    engine = build_engine(load(TrainerConfig, "trainer.yaml"))
+    engine = build_engine(load(RunConfig, "trainer.yaml").trainer)
     objective = GRPOObjective(temperature=1.0)      # the engines' sampling temperature
     with RolloutScheduler(objective, source, RedisPublisher(...), width=64, rows=16,
                           groups=8, tasks=env.tasks) as scheduler:

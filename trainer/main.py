@@ -11,7 +11,8 @@ admission consumers (one per shard: `rollstream admission --shard N`, with the s
 `scheduler` section) and rollout consumers (`rollstream consumer`, whose source runs the
 same `data.env`) run as their own processes.
 
-Each process: builds its DeepSpeed engine (torch.distributed from the launcher's
+Each process: reaches Redis and checks its credentials (a wrong URL or password fails at
+once, before DeepSpeed); builds its DeepSpeed engine (torch.distributed from the launcher's
 environment; `trainer.engine`); joins the `Pool` when the world has more than one rank
 (`shard = rank // share`; alone, the shard is `ROLLSTREAM_SHARD`, default 0); resumes from
 the newest checkpoint under `checkpoint.dir` when there is one (`trainer.checkpoint`: the
@@ -20,12 +21,15 @@ all with `trainer.loop.train` over its task stream (`batches`: a pure function o
 step, so the checkpointed step is the data position). It checkpoints every
 `checkpoint.every` steps, at the end, and when it is asked to stop: SIGTERM or SIGINT on
 any rank stops every rank after the step in progress (the stop is agreed in the pool),
-which checkpoints and exits 0. `/metrics`, `/healthz` and `/readyz` are served on
-`metrics_addr`. With `record` set, each step appends one JSON line: `StepRecord.row()`,
-plus `rank`, `shard`, `epoch`, `run` (this process's id), `pushed` (the weight version
-pushed before the step, or null), `publisher` (whether this rank publishes), `tasks` (the
-task ids of the groups its rows hold) and `cut_tasks` (admitted, but cut at packing), which
-is what an audit of trained tasks reads.
+which checkpoints and exits 0; while it waits for Redis (an outage) a signal ends the wait
+at once (`redis_io.Interrupted`: exit 1, no checkpoint past the last). Rows holding ids
+beyond the model's vocabulary, or positions beyond its context, stop it with a
+`VocabError` naming the setting to fix. `/metrics`, `/healthz` and `/readyz` are served on
+`metrics_addr` (`+rank` adds the launcher's `RANK` to its port). With `record` set, each
+step appends one JSON line: `StepRecord.row()`, plus `rank`, `shard`, `epoch`, `run` (this
+process's id), `pushed` (the weight version pushed before the step, or null), `publisher`
+(whether this rank publishes), `tasks` (the task ids of the groups its rows hold) and
+`cut_tasks` (admitted, but cut at packing), which is what an audit of trained tasks reads.
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ import torch.distributed as dist
 from pipeline.config import ConfigError
 from pipeline.keys import Keys
 from pipeline.metrics import Metrics, serving
-from pipeline.redis_io import connect
+from pipeline.redis_io import check, connect
 from trainer import checkpoint
 from trainer.config import DataConfig, RunConfig
+from trainer.model import context_size, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -95,27 +100,29 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
 
     stop = stop if stop is not None else threading.Event()
     env = data_env(config.data)  # before the engine: a bad data section fails at once
-    engine = build_engine(config.trainer)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pool = Pool(share=config.share, timeout_s=config.step_timeout_s + 600) if world > 1 else None
-    shard = pool.shard if pool is not None else int(os.environ.get("ROLLSTREAM_SHARD", "0"))
-    shards = pool.shards if pool is not None else 1
-    run_id = uuid.uuid4().hex[:12]
-
-    position = None
-    if config.checkpoint.dir and config.checkpoint.resume != "never":
-        position = checkpoint.load(engine, config.checkpoint.dir)
-    if position is None and config.checkpoint.resume == "require":
-        raise RuntimeError(f"checkpoint.resume=require: no checkpoint under {config.checkpoint.dir}")
-    start = position.step if position is not None else 0
-    if start >= config.steps:
-        log.warning("the checkpoint is at step %d of %d: nothing left to train", start, config.steps)
-        return start
-
     objective = GRPOObjective(**config.objective.model_dump())
     with ExitStack() as stack:
+        # Redis and its credentials before DeepSpeed: a wrong URL or password fails at once
         r = connect(config.redis)
         stack.callback(r.close)
+        check(r, config.redis)
+        engine = build_engine(config.trainer)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        pool = Pool(share=config.share, timeout_s=config.step_timeout_s + 600) if world > 1 else None
+        shard = pool.shard if pool is not None else int(os.environ.get("ROLLSTREAM_SHARD", "0"))
+        shards = pool.shards if pool is not None else 1
+        run_id = uuid.uuid4().hex[:12]
+
+        position = None
+        if config.checkpoint.dir and config.checkpoint.resume != "never":
+            position = checkpoint.load(engine, config.checkpoint.dir)
+        if position is None and config.checkpoint.resume == "require":
+            raise ConfigError(f"checkpoint.resume=require: no checkpoint under {config.checkpoint.dir}")
+        start = position.step if position is not None else 0
+        if start >= config.steps:
+            log.warning("the checkpoint is at step %d of %d: nothing left to train", start, config.steps)
+            return start
+
         keys = Keys(config.redis.namespace)
         publisher = TimedPublisher(_publisher(config, r, keys), metrics)
         # the admission consumers apply the scheduling rules (their own `scheduler` section);
@@ -125,8 +132,8 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
         sched = RolloutScheduler(
             objective, None, publisher, redis=config.redis, shard=shard, pool=pool,
             tasks=env.tasks, step_timeout_s=config.step_timeout_s,
-            max_message_bytes=config.max_message_bytes,
-            timeout=config.scheduler.timeout_s, **rules)
+            max_message_bytes=config.max_message_bytes, timeout=config.scheduler.timeout_s,
+            vocab=vocab_size(engine.module), context=context_size(engine.module), stop=stop, **rules)
         stack.callback(sched.close)
         if position is not None:
             updates = sched.resume(position.updates)
@@ -184,7 +191,8 @@ def main(config: RunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     started = threading.Event()
-    with serving("trainer", config.redis.namespace, config.metrics_addr,
+    rank = int(os.environ.get("RANK", "0"))  # the launcher's; torch.distributed starts later
+    with serving("trainer", config.redis.namespace, config.metrics_addr, offsets={"rank": rank},
                  health=lambda: True, ready=started.is_set) as metrics:
         started.set()
         run(config, stop=stop, metrics=metrics)

@@ -75,6 +75,18 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
+def vocab_size(model: nn.Module) -> int:
+    """The number of token ids `model` embeds (a TinyTransformer or a Hugging Face model)."""
+    config = getattr(model, "config", None)
+    return int(getattr(config, "vocab", None) or config.vocab_size)
+
+
+def context_size(model: nn.Module) -> int | None:
+    """The positions `model` embeds (`max_positions`, `max_position_embeddings`), if it says."""
+    config = getattr(model, "config", None)
+    return getattr(config, "max_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
 class TinyTransformer(nn.Module):
     """Pre-norm causal transformer with block-diagonal (per segment) attention."""
 

@@ -23,7 +23,10 @@ takes part in gathering the parameters whole: `trainer.engine.whole_weights`), a
 version on the weights stream (with the location, digest and size `load` returns, if it
 returns them; see `producers.publishers`), hands the step over, waits on the ready stream,
 logs a `SchedulerRecord` (with `waited`, the seconds this call waited) and returns the
-packed rows as `Rows`.
+packed rows as `Rows`. Given the model's `vocab` (and `context`, its positions), rows that
+hold a token id (a position) the model cannot embed are refused with a `VocabError` that
+says which setting to fix, before any forward pass. Given the process's `stop` event, a
+wait for Redis during an outage ends with `redis_io.Interrupted` as soon as it is set.
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
+from pipeline.errors import CommandError
 from pipeline.keys import Keys
 from pipeline.packing import check_support
-from pipeline.redis_io import connect, embedded
+from pipeline.redis_io import check, connect, embedded
 from pipeline.scheduler import SchedulerRecord
 from pipeline.sessions import Task
 from producers.tasks import TaskWriter
@@ -60,6 +66,29 @@ class Publisher(Protocol):
         `location`, `digest` and `size`, such as `producers.publishers.Published`), which
         the weights announcement then carries; None announces the publisher's class name."""
         ...
+
+
+class VocabError(CommandError):
+    """Packed rows hold a token id or a position the model cannot embed."""
+
+
+def check_rows(arrays: dict[str, np.ndarray], step: int, vocab: int | None, context: int | None) -> None:
+    """Refuse (`VocabError`) packed rows with a token id at or past `vocab`, or a position at
+    or past `context`: the embedding would fail with a bare IndexError mid-step."""
+    ids = [a for a in (arrays["tokens"], arrays.get("support")) if a is not None and a.size]
+    top = max((int(a.max()) for a in ids), default=-1)
+    if vocab is not None and top >= vocab:
+        raise VocabError(
+            f"step {step}: the rows hold token id {top}, beyond the model's vocabulary of {vocab} ids: "
+            f"the rollout source samples ids this model cannot embed. Make the source use the model's "
+            f"vocabulary (SleepSource: source_args.vocab: {vocab}), and set vocab: {vocab} in the "
+            f"consumer and admission configs so that such results are refused where they enter")
+    last = int(arrays["positions"].max()) if arrays["positions"].size else -1
+    if context is not None and last >= context:
+        raise VocabError(
+            f"step {step}: the rows hold position {last}, beyond the model's {context} positions: a "
+            f"rollout is longer than the model's context. Keep scheduler.width at most {context}, or "
+            f"the source's prompts and completions shorter")
 
 
 class RolloutScheduler:
@@ -94,6 +123,9 @@ class RolloutScheduler:
         step_timeout_s: float = 3600.0,
         pool: Pool | None = None,
         max_message_bytes: int | None = None,
+        vocab: int | None = None,
+        context: int | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.config = build(SchedulerConfig, dict(
             groups=groups, oversample=oversample, admit=admit, max_lag=max_lag, ahead=ahead,
@@ -113,6 +145,7 @@ class RolloutScheduler:
         self.objective, self.source, self.weights = objective, source, weights
         self.shard, self.step_timeout_s, self.pool = shard, step_timeout_s, pool
         self.max_message_bytes = max_message_bytes
+        self.vocab, self.context, self.stop = vocab, context, stop
         # a share's first reader samples; the others receive its rows (first_reader_batch)
         self.reader = pool is None or pool.first_reader
         self._tasks, self._log = tasks, log
@@ -151,9 +184,11 @@ class RolloutScheduler:
         self.redis_config = redis_config
         self.r = connect(redis_config)
         self._stack.callback(self.r.close)
+        check(self.r, redis_config)  # an unreachable Redis or refused credentials: one clear error now
         self.keys = Keys(redis_config.namespace)
         limit = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
-        self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s, **limit)
+        self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s,
+                                 stop=self.stop, **limit)
         if in_process:
             from consumers.admission import Admission
             from consumers.rollout import RolloutConsumer
@@ -253,7 +288,8 @@ class RolloutScheduler:
             self.writer.handover(self.epoch, step, self.updates, published)
             try:
                 ready = self._wait_ready(step, start + self.step_timeout_s)
-            except Exception as exc:  # StepFailed, TimeoutError, a dead consumer
+                check_rows(ready.arrays, step, self.vocab, self.context)
+            except Exception as exc:  # StepFailed, TimeoutError, a dead consumer, VocabError
                 if self.pool is None:
                     raise
                 failed = exc

@@ -17,20 +17,51 @@ thread) or `async arun(request) -> Session` (see `pipeline.sessions`).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.errors import ConfigError
 from pipeline.sessions import is_async_source
 
 
-def load_source(spec: str, args: Mapping[str, Any] | None = None) -> Any:
-    """Build the source `spec` (`module:factory`) names with keyword arguments `args`."""
+def import_object(spec: str, field: str) -> Any:
+    """The object `module:name` (or `module:name.attr`) names; what cannot be imported is a
+    ConfigError naming `field`. A module is looked up on `sys.path`, which under `rollstream`
+    and `python -m` includes the current folder."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"source must be module:factory, got {spec!r}")
-    factory: Any = importlib.import_module(module_name)
+        raise ConfigError(f"{field}: must be module:name, got {spec!r}")
+    try:
+        found: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{field}: cannot import {module_name} ({type(exc).__name__}: {exc}); it must be "
+                          f"importable from the current folder or PYTHONPATH") from exc
     for part in attr.split("."):
-        factory = getattr(factory, part)
-    source = factory(**dict(args or {}))
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            raise ConfigError(f"{field}: {module_name} has no {attr} ({spec!r})") from None
+    return found
+
+
+def load_source(spec: str, args: Mapping[str, Any] | None = None) -> Any:
+    """Build the source `spec` (`module:factory`) names with keyword arguments `args`; a
+    source that cannot be imported, or arguments it does not take or refuses, are a
+    ConfigError naming `source` or `source_args`."""
+    factory = import_object(spec, "source")
+    kwargs = dict(args or {})
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"source_args: {spec} does not take them: {exc}") from None
+    except ValueError:  # a callable without a signature (a C type): let the call decide
+        pass
+    try:
+        source = factory(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"source_args: {spec} refused them: {exc}") from exc
     is_async_source(source)  # refuses an object that is not a source
     return source

@@ -43,7 +43,6 @@ traceback rather than resubmitting forever.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -90,8 +89,9 @@ class _Outcome:
 
 def _resolve(spec: Any, what: str) -> Any:
     if isinstance(spec, str) and ":" in spec and what == "verifier":
-        module, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        from consumers.sources import import_object
+
+        return import_object(spec, "source_args.verifier")
     return spec
 
 

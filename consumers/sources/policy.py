@@ -50,7 +50,7 @@ from torch import nn
 from consumers.sources import envs as envs_module
 from consumers.weights import WeightsLoader, WeightsMissing, weights_loader
 from pipeline.sessions import Call, Session, SessionRequest, Status
-from trainer.model import TinyConfig, TinyTransformer
+from trainer.model import TinyConfig, TinyTransformer, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,6 @@ def _build(config: Any) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config).eval()
-
-
-def _vocab_size(model: nn.Module) -> int:
-    config = getattr(model, "config", None)
-    return int(getattr(config, "vocab", None) or config.vocab_size)
 
 
 def _last_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -163,8 +158,8 @@ class PolicySource:
         self._lock = threading.Lock()
         self._free: list[Policy] = []
         first = Policy(build_model(self.model_config))  # fails fast on a bad config
-        if _vocab_size(first.model) < env.vocab.size:
-            raise ValueError(f"the model's vocabulary ({_vocab_size(first.model)}) is smaller than "
+        if vocab_size(first.model) < env.vocab.size:
+            raise ValueError(f"the model's vocabulary ({vocab_size(first.model)}) is smaller than "
                              f"the environment's ({env.vocab.size})")
         cfg = getattr(first.model, "config", None)
         limit = getattr(cfg, "max_positions", None) or getattr(cfg, "max_position_embeddings", None)

@@ -54,7 +54,7 @@ POISON_RESULTS = {  # the dead letter's reason, for each poisoned result
     "reward: must be finite, got nan": _entry(_result(reward=math.nan)),
     "reward: must be finite, got inf": _entry(_result(reward=math.inf)),
     "components.format: must be finite, got nan": _entry(_result(components={"format": math.nan})),
-    f"chains.tokens: token id 5000 is beyond the vocabulary of {VOCAB}": _entry(_result(_chain(3, 1, top=5000))),
+    f"chains.tokens: token id 5000 is beyond the vocabulary of {VOCAB} (the config's vocab)": _entry(_result(_chain(3, 1, top=5000))),
     "chains.lengths: chain 0 has 80 tokens, more than width 64": _entry(_result(_chain(60, 20))),
     "timings.finished: 5.0 is before timings.started 10.0: a negative duration":
         _entry(_result(timings={"started": 10.0, "finished": 5.0})),
@@ -122,7 +122,7 @@ def test_every_poison_is_dead_lettered_counted_and_the_run_still_trains(threads,
     assert len(oversized) == 1 and oversized[0].endswith(f"bytes exceeds the limit of {LIMIT}")
     refused_here = [got for got in results if got.startswith("invalid session from ScriptedSource")]
     assert len(refused_here) == 2
-    assert any(f"token id 1099 is beyond the vocabulary of {VOCAB}" in got for got in refused_here)
+    assert any(f"token id 1099 is beyond the vocabulary of {VOCAB} (the config's vocab)" in got for got in refused_here)
     assert any(f"exceeds the limit of {LIMIT}" in got for got in refused_here)
     tasks = " | ".join(dead[keys.tasks(0)])
     assert len(dead[keys.tasks(0)]) == 3 and "not msgpack" in tasks and "schema version 99" in tasks

@@ -9,7 +9,7 @@ import redis
 from consumers.sources.scripted import ScriptedSource
 from consumers.sources.sleep import SleepSource
 from producers.tasks import StepFailed
-from trainer.rollout_scheduler import RolloutScheduler
+from trainer.rollout_scheduler import RolloutScheduler, VocabError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,3 +158,12 @@ def test_max_message_bytes_refuses_an_oversized_registration_and_writes_nothing(
         with pytest.raises(SchemaError, match="refused"):
             next(iter(sched.tasks(batches(1))))
         assert sched.r.xlen(sched.keys.tasks(0)) == 1  # the epoch's Open, not the registration
+
+
+def test_rows_beyond_the_models_context_are_refused_naming_the_setting():
+    # chains of 32 tokens for a model of 16 positions (ids beyond the vocabulary:
+    # tests/integration/test_start_errors.py, through `rollstream trainer`)
+    with RolloutScheduler(None, SleepSource(median_s=0.005, seed=0, vocab=64), Publisher(), width=128,
+                          rows=4, groups=2, vocab=64, context=16) as sched:
+        with pytest.raises(VocabError, match=r"position 31, beyond the model's 16 positions.*scheduler.width"):
+            sched(next(iter(sched.tasks(batches(1)))), None)

@@ -24,14 +24,15 @@ import redis
 from consumers.admission import Admission
 from consumers.sources.scripted import ScriptedSource
 from pipeline import cli
-from pipeline.config import AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, build
+from pipeline.config import AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, build, metrics_address
 from pipeline.keys import Keys
-from pipeline.metrics import Metrics, parse_addr, serve
+from pipeline.metrics import Metrics, serve
 from pipeline.redis_io import Outage, RedisAuthError, acl_rules, connect
 from tests.conftest import ROOT, Proc, Threads
 from tests.integration.helpers import Trainer, admitted_tasks
 from tests.integration.servers import RedisServer, free_port, server_missing
 from tests.integration.test_security import ADMIN_PASSWORD, run_short_pipeline, tls_server
+from trainer.config import RunConfig
 
 pytestmark = pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))
 
@@ -115,7 +116,7 @@ def test_the_password_never_shows_in_logs_status_errors_or_metrics(server, tmp_p
         assert not _shown(out + err)
     monkeypatch.setenv("RS_TEST_SECRET", SECRET + "-wrong")
     code, out, err = _status(capsys, config_file)
-    assert code == 2 and "refused the credentials" in err and not _shown(out + err)
+    assert code == 2 and "refused user 'rollout'" in err and not _shown(out + err)
 
     # failed connections: a wrong password, an unreachable server, and the outage they start
     failures = []
@@ -194,10 +195,10 @@ def _reachable(host: str, port: int) -> bool:
 @pytest.mark.timeout(30)
 def test_metrics_bind_to_loopback_by_default_as_documented():
     doc = (ROOT / "docs" / "security.md").read_text()
-    for model, port in ((AdmissionConfig, 9400), (ConsumerConfig, 9401)):
+    for model, port in ((AdmissionConfig, 9400), (ConsumerConfig, 0), (RunConfig, 9500)):
         addr = build(model, {}).metrics_addr
-        assert parse_addr(addr) == ("127.0.0.1", port) and f"`{addr}`" in doc
-    addr = build(AdmissionConfig, {}).metrics_addr
+        assert metrics_address(addr, ("shard", "rank")) == ("127.0.0.1", port) and f"`{addr}`" in doc
+    addr = "127.0.0.1:9400"  # the admission consumer's of shard 0
     try:
         default = serve(Metrics(), addr, health=lambda: True)
     except OSError as exc:  # the port is taken (another process on this machine): the host is what matters

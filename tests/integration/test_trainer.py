@@ -156,12 +156,3 @@ def test_the_demo_learns_copy_one_digit(tmp_path):
     rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= first + 0.3, (first, last, rewards)
-
-
-@pytest.mark.timeout(120)
-def test_rollstream_demo_passes_its_arguments_through(tmp_path, capsys):
-    from pipeline.cli import main
-
-    assert main(["demo", "--steps", "1", "--out", str(tmp_path), "--quiet"]) == 0
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["step"] == 0

@@ -64,6 +64,9 @@ EXPECTED = {
     "rollstream_weights_served_version": "gauge",
     "rollstream_weights_published_version": "gauge",
     "rollstream_weights_push_seconds": "histogram",
+    "rollstream_engine_weights_following": "gauge",
+    "rollstream_engine_weights_version": "gauge",
+    "rollstream_engine_weights_failures": "counter",
     "rollstream_build": "info",
 }
 
@@ -340,6 +343,7 @@ def test_unlabelled_families_are_exported_only_by_their_owner():
     assert "rollstream_weights_served_version" in exported["admission"]
     assert "rollstream_weights_published_version" in exported["trainer"]
     assert "rollstream_weights_push_seconds_count" in exported["trainer"]
-    assert not {n for n in exported["consumer"] if n.startswith("rollstream_weights")}
+    assert not {n for n in exported["consumer"] if n.startswith(("rollstream_weights", "rollstream_engine"))}
+    assert not {n for c in exported.values() for n in c if n.startswith("rollstream_engine")}
     assert not {n for n in exported["admission"] if n.startswith("rollstream_weights_p")}
     assert "rollstream_weights_served_version" not in exported["trainer"]

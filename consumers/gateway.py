@@ -16,10 +16,13 @@ read from the engine's `prompt_token_ids` (top level or on the choice), the choi
 `logprobs.content[].logprob`, completions `logprobs.token_logprobs`) and the version the
 engine stamps (`weight_version`, or SGLang's `metadata.weight_version`). An engine that
 stamps none (vLLM's OpenAI answers) is credited with the version set for it with `POST
-/weight_version` (what `producers.engines` publishers do after each engine's push), else 0:
-the older of the version set when the call started and when it ended, so a call is never
-credited with weights newer than those that served it (a publisher sets the version only
-after the engine resumed on the new weights). Streamed answers are recorded whole at
+/weight_version`, else 0: the older of the version set when the call started and when it
+ended, so a call is never credited with weights newer than those that served it. A
+`producers.engines` publisher brackets each engine's push: `POST /engines/hold` first (new
+calls to that engine wait in the gateway, up to `hold_timeout_s`, while the calls in flight
+finish under the old weights), then `POST /weight_version` once the engine serves the new
+version (the held calls go on, credited with it), or `POST /engines/release` after a failed
+push. Streamed answers are recorded whole at
 `[DONE]`; chunks that carry no tokens (vLLM's first chat chunk, the role alone; a usage
 chunk) are passed through. The harness gets the engine's response unchanged.
 
@@ -30,7 +33,8 @@ chunk) are passed through. The harness gets the engine's response unchanged.
 | `POST /sessions/{id}/close` | `{"reason": "wall_clock"}`: later calls are refused (400, code `session_closed`) |
 | `DELETE /sessions/{id}` | free it |
 | `GET /health`, `GET /engines` | the engines: up or down, calls in flight, failures |
-| `POST /weight_version` | `{"version": 3, "engine": URL or null (all)}` |
+| `POST /weight_version` | `{"version": 3, "engine": URL or null (all)}`: set the version, end a hold |
+| `POST /engines/hold`, `POST /engines/release` | `{"engine": URL or null (all)}`: hold new calls to the engine during its push; let them go |
 
 Limits: a call past `max_turns` is refused (400, code `max_turns`) and the session is
 `truncated: "max_turns"`; a call whose prompt + completion reaches `max_tokens`, or that
@@ -96,10 +100,16 @@ class Upstream:
     failures: int = 0
     version: int = 0  # credited to responses without a weight_version
     last_error: str | None = None
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while a push holds calls
+    waiting: int = 0  # calls held
+
+    def __post_init__(self) -> None:
+        self.released.set()
 
     def view(self) -> dict[str, Any]:
         return {"url": self.url, "up": self.up, "outstanding": self.outstanding, "calls": self.calls,
-                "failures": self.failures, "version": self.version, "last_error": self.last_error}
+                "failures": self.failures, "version": self.version, "last_error": self.last_error,
+                "held": not self.released.is_set(), "waiting": self.waiting}
 
 
 @dataclass
@@ -188,12 +198,13 @@ class Gateway:
 
     def __init__(self, engines: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
                  health_interval_s: float = 2.0, session_ttl_s: float = 3600.0,
-                 temperature: float | None = None) -> None:
+                 temperature: float | None = None, hold_timeout_s: float = 600.0) -> None:
         if not engines:
             raise ValueError("engines: give at least one engine URL")
         self.engines = [Upstream(url.rstrip("/")) for url in engines]
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.health_interval_s, self.session_ttl_s = health_interval_s, session_ttl_s
+        self.hold_timeout_s = hold_timeout_s
         self.temperature = temperature
         self.sessions: dict[str, Recording] = {}
         self._client: aiohttp.ClientSession | None = None
@@ -216,6 +227,8 @@ class Gateway:
         r.add_get("/health", self._health)
         r.add_get("/engines", self._health)
         r.add_post("/weight_version", self._weight_version)
+        r.add_post("/engines/hold", self._hold)
+        r.add_post("/engines/release", self._release)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -299,15 +312,32 @@ class Gateway:
         return web.json_response({"status": "ok" if up else "down", "engines": [e.view() for e in self.engines],
                                   "sessions": len(self.sessions)}, status=200 if up else 503)
 
-    async def _weight_version(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
-        version = body_field(body, "version", int, minimum=0)
+    def _chosen(self, body: Mapping[str, Any]) -> list[Upstream]:
         url = body_field(body, "engine", str, None, nullable=True)
         chosen = [e for e in self.engines if url is None or e.url == url.rstrip("/")]
         if not chosen:
             raise BadRequest(f"engine {url!r} is not one of this gateway's", param="engine")
+        return chosen
+
+    async def _weight_version(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        version = body_field(body, "version", int, minimum=0)
+        chosen = self._chosen(body)
         for e in chosen:
             e.version = version
+            e.released.set()
+        return web.json_response({"engines": [e.view() for e in chosen]})
+
+    async def _hold(self, request: web.Request) -> web.Response:
+        chosen = self._chosen(await json_body(request))
+        for e in chosen:
+            e.released.clear()
+        return web.json_response({"engines": [e.view() for e in chosen]})
+
+    async def _release(self, request: web.Request) -> web.Response:
+        chosen = self._chosen(await json_body(request))
+        for e in chosen:
+            e.released.set()
         return web.json_response({"engines": [e.view() for e in chosen]})
 
     # ------------------------------------------------------------------ forwarding
@@ -401,6 +431,14 @@ class Gateway:
         if engine is None:
             s.infra_error = "no inference engine is up"
             return error(503, s.infra_error, code="infra_error")
+        if not engine.released.is_set():  # a push is under way: wait for the new version
+            engine.waiting += 1
+            try:
+                await asyncio.wait_for(engine.released.wait(), self.hold_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("gateway: engine %s held calls for %.0fs; sending them", engine.url, self.hold_timeout_s)
+            finally:
+                engine.waiting -= 1
         s.engine = engine
         engine.outstanding += 1
         engine.calls += 1

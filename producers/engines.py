@@ -6,9 +6,12 @@ have every engine load it over HTTP.
     publisher.preflight()                       # at start: the engines are set up as a run needs
     RolloutScheduler(objective, None, publisher, redis=..., ...)   # a `Publisher`
 
-`load(variables, version)` writes the weights, then pushes them to each engine in turn, then
-tells each gateway in `gateways` the version each engine now serves (`POST /weight_version`),
-and returns `Published(location, digest, size)` for the weights announcement.
+`load(variables, version)` writes the weights, then pushes them to each engine in turn, and
+returns `Published(location, digest, size)` for the weights announcement. Each gateway in
+`gateways` (`consumers.gateway`) holds new calls to an engine during its push (`POST
+/engines/hold`) and is told the version the engine then serves (`POST /weight_version`, or
+`POST /engines/release` when the push failed), so the calls of engines that stamp no version
+on their answers (vLLM) are credited with the weights that served them.
 
 Layouts: `layout="hf"` writes a Hugging Face checkpoint directory `<path>/v<version>/`:
 safetensors under the model's own parameter names, every name of its state dict (a tied
@@ -168,9 +171,13 @@ class EnginePublisher:
         published, path = self._write(variables, version)
         start = time.monotonic()
         for engine in self.engines:
-            self.push(engine, path, version)
-            for gateway in self.gateways:
-                self.post(gateway, "/weight_version", {"engine": engine, "version": version})
+            self._tell("/engines/hold", {"engine": engine})
+            try:
+                self.push(engine, path, version)
+            except BaseException:
+                self._tell("/engines/release", {"engine": engine})
+                raise
+            self._tell("/weight_version", {"engine": engine, "version": version})
         self.seconds.append(time.monotonic() - start)
         self.pushes += 1
         log.info("weights version %d loaded by %d engine(s) from %s in %.2fs", version, len(self.engines),
@@ -194,6 +201,10 @@ class EnginePublisher:
             shutil.rmtree(self.path / f"v{old}", ignore_errors=True)
 
     # ------------------------------------------------------------------ HTTP
+
+    def _tell(self, endpoint: str, body: Mapping[str, Any]) -> None:
+        for gateway in self.gateways:
+            self.post(gateway, endpoint, body)
 
     def post(self, base: str, endpoint: str, body: Mapping[str, Any] | None = None,
              params: Mapping[str, str] | None = None) -> Any:

@@ -233,3 +233,30 @@ def test_an_unstamped_call_is_credited_with_the_older_of_its_start_and_end_versi
         http.post("/sessions/b/v1/chat/completions", json={"messages": []})
         assert http.get("/sessions/a").json()["calls"][0]["version"] == 0  # in flight across the push
         assert http.get("/sessions/b").json()["calls"][0]["version"] == 3
+
+
+def test_calls_held_during_a_push_go_on_credited_with_the_new_version():
+    def chat(body):
+        return {"choices": [{"index": 0, "token_ids": [5], "finish_reason": "length",
+                             "logprobs": {"content": [{"logprob": -1.0}]}}], "prompt_token_ids": PROMPT}
+
+    with scripted_engine(chat) as engine, ServerThread(Gateway([engine.url]).app(), name="gateway") as gw:
+        http = httpx.Client(base_url=gw.url, timeout=10)
+        assert http.post("/engines/hold", json={"engine": engine.url}).json()["engines"][0]["held"] is True
+        held = threading.Thread(target=http.post, args=("/sessions/h/v1/chat/completions",),
+                                kwargs={"json": {"messages": []}})
+        held.start()
+        deadline = time.monotonic() + 10
+        while http.get("/engines").json()["engines"][0]["waiting"] != 1:  # waiting in the gateway
+            assert time.monotonic() < deadline, "the call was not held"
+            time.sleep(0.01)
+        assert held.is_alive() and http.get("/sessions/h").json()["calls"] == []
+        http.post("/weight_version", json={"engine": engine.url, "version": 2})  # the push is done
+        held.join(10)
+        assert http.get("/sessions/h").json()["calls"][0]["version"] == 2
+        # a failed push releases its hold without a new version
+        http.post("/engines/hold", json={"engine": None})
+        http.post("/engines/release", json={"engine": None})
+        http.post("/sessions/r/v1/chat/completions", json={"messages": []})
+        assert http.get("/sessions/r").json()["calls"][0]["version"] == 2
+        assert http.post("/engines/hold", json={"engine": "http://elsewhere"}).status_code == 400

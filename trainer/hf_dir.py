@@ -4,7 +4,7 @@
 an inference engine (vLLM, `rollstream engine --model DIR`) and the prompt set's tokenizer,
 with nothing downloaded.
 
-    write_model_dir("runs/tiny-qwen")                   # Qwen2ForCausalLM, ~0.5 M parameters
+    write_model_dir("runs/tiny-qwen")                   # Qwen2ForCausalLM, 0.33 M parameters
     write_model_dir(path, arch="llama", hidden=256, layers=4)
 
 The tokenizer speaks ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`, eos `<|im_end|>`,

@@ -22,9 +22,9 @@ ended, so a call is never credited with weights newer than those that served it.
 calls to that engine wait in the gateway, up to `hold_timeout_s`, while the calls in flight
 finish under the old weights), then `POST /weight_version` once the engine serves the new
 version (the held calls go on, credited with it), or `POST /engines/release` after a failed
-push. Streamed answers are recorded whole at
-`[DONE]`; chunks that carry no tokens (vLLM's first chat chunk, the role alone; a usage
-chunk) are passed through. The harness gets the engine's response unchanged.
+push. Streamed answers are recorded whole at `[DONE]`; chunks that carry no tokens (vLLM's
+first chat chunk, the role alone; a usage chunk) are passed through. The harness gets the
+engine's response unchanged.
 
 | endpoint | what |
 |---|---|
@@ -53,9 +53,9 @@ failure). One failed call does not take an engine out of rotation: the gateway t
 its `GET /health`, and only an engine that does not answer that either is marked down and
 probed every `health_interval_s` until it answers. With no engine up (after probing the
 down ones once more), calls get 503 and their sessions are flagged too. 4xx answers are
-the harness's: passed through unchanged. An engine answer that lacks token ids, log-probs or prompt ids sets
-`protocol_error` (the set-up is wrong; `HarnessSource` raises). Sessions idle for
-`session_ttl_s` are dropped.
+the harness's: passed through unchanged. An engine answer that lacks token ids, log-probs
+or prompt ids sets `protocol_error` (the set-up is wrong; `HarnessSource` raises). Sessions
+idle for `session_ttl_s` are dropped.
 """
 
 from __future__ import annotations

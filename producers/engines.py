@@ -323,8 +323,8 @@ class VLLMPublisher(EnginePublisher):
             log.info("%s: vLLM %s", engine, (self.get(engine, "/version") or {}).get("version"))
 
     def push(self, engine: str, path: str, version: int) -> None:
-        paused = self._pause(engine)
         try:
+            paused = self._pause(engine)
             self.post(engine, "/collective_rpc",
                       {"method": "reload_weights", "kwargs": {**self.kwargs, "weights_path": path}})
             answer = self.post(engine, "/reset_prefix_cache")
@@ -332,8 +332,8 @@ class VLLMPublisher(EnginePublisher):
                 raise EnginePushError(f"{engine}/reset_prefix_cache did not reset the cache (blocks still held)")
             if paused:
                 self.post(engine, "/update_weight_version", {"new_version": str(version)})
-        finally:
-            if paused:
+        finally:  # also after a failed reload, or a pause that timed out while draining
+            if self.pausable.get(engine, True):
                 self.post(engine, "/resume")
 
     def _pause(self, engine: str) -> bool:

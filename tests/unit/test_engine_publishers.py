@@ -128,6 +128,17 @@ def test_a_refused_reload_raises_at_once_and_the_engine_resumes(tmp_path):
         vllm.server.stop()
 
 
+def test_a_pause_that_fails_still_resumes_the_engine(tmp_path):
+    vllm = Recorder(script={"/pause": [503, 503]})
+    try:
+        publisher = VLLMPublisher([vllm.server.url], tmp_path / "w", retries=1, backoff_s=0.01)
+        with pytest.raises(EnginePushError, match="pause failed 2 time"):
+            publisher.load(gpt2(1), 1)
+        assert vllm.paths() == ["/pause", "/pause", "/resume"]
+    finally:
+        vllm.server.stop()
+
+
 def test_unavailable_answers_are_retried_and_their_last_failure_raises(tmp_path):
     flaky = Recorder(script={"/update_weights_from_disk": [503, 502]}, answers={
         "/update_weights_from_disk": {"success": True}})

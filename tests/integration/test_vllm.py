@@ -278,6 +278,7 @@ def test_the_gateway_records_every_answer_shape_vllm_produces(vllm, gateway, mod
     assert "stop" in {c["finish_reason"] for c in record["calls"]}
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("redis_url", ["server"], indirect=True)
 def test_rollstream_trainer_trains_on_rollouts_vllm_generates_with_a_push_every_step(
         vllm, gateway, model_dir, tmp_path, redis_config, r, keys):

@@ -30,6 +30,7 @@ Endpoints (OpenAI shapes, plus the extension fields below):
 | `GET /metrics` | Prometheus: `rollstream_engine_weights_following`, `_version`, `_failures_total` |
 | `POST /update_weights_from_disk` | SGLang's shape: `{"model_path": FILE_OR_DIR, "weight_version": "3"}` -> `{"success": true, "message"}` |
 | `POST /collective_rpc` | vLLM's dev-mode shape: `{"method": "reload_weights", "kwargs": {"weights_path": ..., "weight_version": ...}}` |
+| `POST /pause`, `POST /resume`, `POST /reset_prefix_cache`, `POST /update_weight_version`, `GET /weight_info` | vLLM's dev-mode weight-update routes: `/pause` holds new requests and waits for the one sampling (any `mode`), `/resume` lets them run; `/update_weight_version {"new_version": "3"}` sets the version; there is no prefix cache to reset |
 
 Extension fields, always present (vLLM's `return_token_ids` names, SGLang's version name):
 `prompt_token_ids` (top level, and on each choice of `/v1/completions`), `token_ids` on each
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import re
 import threading
@@ -171,6 +173,8 @@ class Engine:
         self.version, self.name, self.default_max_tokens = version, name, max_tokens
         self.context = context_size(model)
         self._lock = threading.Lock()  # one request samples at a time; weights load between
+        self._running = threading.Event()  # cleared by /pause: new requests wait for /resume
+        self._running.set()
         self._rng = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "little"))
         self.stats = {"requests": 0, "tokens": 0, "loads": 0, "load_errors": 0}
         self.followers: list[Any] = []  # what loads new versions (`_Follower`s), for /health
@@ -205,16 +209,16 @@ class Engine:
         file's `v<N>`, else the current one + 1."""
         from consumers.weights import load_weights
 
-        target = _weights_file(Path(path))
+        files = _weights_files(Path(path))
         if version is None:
-            m = re.fullmatch(r"v(\d+)\.safetensors", target.name)
+            m = re.fullmatch(r"v(\d+)(\.safetensors)?", Path(path).name)
             version = int(m.group(1)) if m else self.version + 1
-        if Path(f"{target}.sha256").exists():
-            state = load_weights(str(target))
+        if len(files) == 1 and Path(f"{files[0]}.sha256").exists():
+            state = load_weights(str(files[0]))
         else:
             from safetensors.torch import load_file
 
-            state = load_file(str(target))
+            state = {k: v for f in files for k, v in load_file(str(f)).items()}
         self.load_state(state, version)
         return version
 
@@ -230,6 +234,7 @@ class Engine:
                emit: Callable[[int, float, int], None] | None = None,
                stopped: Callable[[], bool] | None = None) -> Completion:
         """Sample one completion after `prompt` under the version loaded now."""
+        self._running.wait()
         with self._lock:
             version = self.version
             budget = params.max_tokens
@@ -362,7 +367,38 @@ class Engine:
         app.router.add_get("/get_weight_version", self._weight_version)
         app.router.add_post("/update_weights_from_disk", self._update_from_disk)
         app.router.add_post("/collective_rpc", self._collective_rpc)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        app.router.add_post("/update_weight_version", self._update_weight_version)
+        app.router.add_get("/weight_info", self._weight_version)
         return app
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self._running.clear()
+
+        def drained() -> None:  # the request sampling now finishes first
+            with self._lock:
+                pass
+
+        await asyncio.get_running_loop().run_in_executor(None, drained)
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self._running.set()
+        return web.json_response({"status": "resumed"})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        version = field(body, "new_version", str)
+        if not version.isdigit():
+            raise BadRequest(f"new_version must be a non-negative integer, got {version!r}", param="new_version")
+        with self._lock:
+            self.version = int(version)
+        return web.json_response({"success": True, "new_version": version})
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 while every follower follows the run's weights; 503 (`"status": "stale"`)
@@ -521,16 +557,21 @@ def _versions(path: Path) -> list[tuple[int, Path]]:
                   if (m := re.fullmatch(r"v(\d+)\.safetensors", p.name)))
 
 
-def _weights_file(path: Path) -> Path:
+def _weights_files(path: Path) -> list[Path]:
+    """The safetensors files of `path`: the file itself; a checkpoint directory's
+    `model.safetensors` or the shards its index names; or the newest `v<N>.safetensors`."""
     if path.is_file():
-        return path
+        return [path]
     if path.is_dir():
         if (path / "model.safetensors").exists():
-            return path / "model.safetensors"
+            return [path / "model.safetensors"]
+        if (path / "model.safetensors.index.json").exists():
+            index = json.loads((path / "model.safetensors.index.json").read_text())
+            return [path / name for name in sorted(set(index["weight_map"].values()))]
         versions = _versions(path)
         if versions:
-            return versions[-1][1]
-        raise FileNotFoundError(f"{path} holds neither model.safetensors nor v<N>.safetensors")
+            return [versions[-1][1]]
+        raise FileNotFoundError(f"{path} holds neither model.safetensors, a sharded index nor v<N>.safetensors")
     raise FileNotFoundError(f"{path} does not exist")
 
 

@@ -6,16 +6,25 @@ agent harness that speaks the OpenAI API can be trained.
 Each session gets its own base URL, `http://GATEWAY/sessions/{session_id}/v1` (what a
 harness is given as `OPENAI_BASE_URL`). The gateway forwards `POST .../chat/completions` and
 `POST .../completions` (streaming too) to an engine, asking it for token ids and log-probs
-(`logprobs`, vLLM's `return_token_ids`), and records per call, per choice:
+(`logprobs`, `return_token_ids`, and SGLang's `return_prompt_token_ids` for chat), and
+records per call, per choice:
 
     {"prompt_ids": [...], "completion_ids": [...], "logprobs": [...], "finish_reason": "stop", "version": 3}
 
 read from the engine's `prompt_token_ids` (top level or on the choice), the choice's
-`token_ids`, its log-probs (chat `logprobs.content[].logprob`, completions
-`logprobs.token_logprobs`) and the response's `weight_version`; an engine that does not
-stamp versions (vLLM) is credited with the version last set for it with `POST
-/weight_version` (what `producers.engines` publishers do after a push), else 0. The
-harness gets the engine's response unchanged (with the extension fields).
+`token_ids` (SGLang's chat answers: `response_token_ids`), its log-probs (chat
+`logprobs.content[].logprob`, completions `logprobs.token_logprobs`) and the version the
+engine stamps (`weight_version`, or SGLang's `metadata.weight_version`). An engine that
+stamps none (vLLM's OpenAI answers) is credited with the version set for it with `POST
+/weight_version`, else 0: the older of the version set when the call started and when it
+ended, so a call is never credited with weights newer than those that served it. A
+`producers.engines` publisher brackets each engine's push: `POST /engines/hold` first (new
+calls to that engine wait in the gateway, up to `hold_timeout_s`, while the calls in flight
+finish under the old weights), then `POST /weight_version` once the engine serves the new
+version (the held calls go on, credited with it), or `POST /engines/release` after a failed
+push. Streamed answers are recorded whole at `[DONE]`; chunks that carry no tokens (vLLM's
+first chat chunk, the role alone; a usage chunk) are passed through. The harness gets the
+engine's response unchanged.
 
 | endpoint | what |
 |---|---|
@@ -24,34 +33,40 @@ harness gets the engine's response unchanged (with the extension fields).
 | `POST /sessions/{id}/close` | `{"reason": "wall_clock"}`: later calls are refused (400, code `session_closed`) |
 | `DELETE /sessions/{id}` | free it |
 | `GET /health`, `GET /engines` | the engines: up or down, calls in flight, failures |
-| `POST /weight_version` | `{"version": 3, "engine": URL or null (all)}` |
+| `POST /weight_version` | `{"version": 3, "engine": URL or null (all)}`: set the version, end a hold |
+| `POST /engines/hold`, `POST /engines/release` | `{"engine": URL or null (all)}`: hold new calls to the engine during its push; let them go |
 
 Limits: a call past `max_turns` is refused (400, code `max_turns`) and the session is
 `truncated: "max_turns"`; a call whose prompt + completion reaches `max_tokens`, or that
-an engine refuses with `context_length_exceeded`, makes it `truncated: "max_tokens"` (the
-later calls are refused). `HarnessSource` turns these into TRUNCATED with the reason.
+an engine refuses as longer than its context (`context_length_exceeded`, or vLLM's
+"maximum context length" message), makes it `truncated: "max_tokens"` (the later calls are
+refused). `HarnessSource` turns these into TRUNCATED with the reason.
 
 Engines and failures: a session sticks to the engine of its first call while that engine
 is up (its prefix cache); a new one goes to the up engine with the fewest calls in flight.
-An engine that cannot be reached, times out, breaks a stream or answers 5xx fails the call
-(502 to the harness) and flags the session `infra_error`, so its rollout ends INFRA_ERROR
-(resubmitted, never trained as the agent's failure); an unreachable engine is also marked
-down and probed (`GET /health`) every `health_interval_s` until it answers. With no engine
-up (after probing the down ones once more), calls get 503 and their sessions are flagged
-too. 4xx answers are the harness's: passed
-through unchanged. An engine answer that lacks token ids, log-probs or prompt ids sets
-`protocol_error` (the set-up is wrong; `HarnessSource` raises). Sessions idle for
-`session_ttl_s` are dropped.
+A request that fails on a pooled keep-alive connection the engine has just closed
+(`ServerDisconnectedError`, a reset before any answer: the engine never read it) is sent
+again once on a fresh connection. An engine that cannot be reached, times out, breaks a
+stream or answers 5xx fails the call (502 to the harness) and flags the session
+`infra_error`, so its rollout ends INFRA_ERROR (resubmitted, never trained as the agent's
+failure). One failed call does not take an engine out of rotation: the gateway then asks
+its `GET /health`, and only an engine that does not answer that either is marked down and
+probed every `health_interval_s` until it answers. With no engine up (after probing the
+down ones once more), calls get 503 and their sessions are flagged too. 4xx answers are
+the harness's: passed through unchanged. An engine answer that lacks token ids, log-probs
+or prompt ids sets `protocol_error` (the set-up is wrong; `HarnessSource` raises). Sessions
+idle for `session_ttl_s` are dropped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +80,13 @@ log = logging.getLogger(__name__)
 
 RECORD_KEYS = ("prompt_ids", "completion_ids", "logprobs", "finish_reason", "version")
 UNREACHABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+HEALTH_TIMEOUT_S = 2.0
+
+
+def _stale(exc: BaseException) -> bool:
+    """A failure of a pooled connection the engine closed before reading the request."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) or (
+        isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError))
 
 
 @dataclass
@@ -78,10 +100,16 @@ class Upstream:
     failures: int = 0
     version: int = 0  # credited to responses without a weight_version
     last_error: str | None = None
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while a push holds calls
+    waiting: int = 0  # calls held
+
+    def __post_init__(self) -> None:
+        self.released.set()
 
     def view(self) -> dict[str, Any]:
         return {"url": self.url, "up": self.up, "outstanding": self.outstanding, "calls": self.calls,
-                "failures": self.failures, "version": self.version, "last_error": self.last_error}
+                "failures": self.failures, "version": self.version, "last_error": self.last_error,
+                "held": not self.released.is_set(), "waiting": self.waiting}
 
 
 @dataclass
@@ -107,6 +135,9 @@ class ProtocolError(ValueError):
     """An engine's answer lacks what a trainable call needs."""
 
 
+NO_TOKEN_IDS = "the engine returned no token_ids (it needs vLLM's or SGLang's return_token_ids)"
+
+
 class Choice:
     """A choice's token ids, log-probs and finish reason, accumulated (streamed or whole)."""
 
@@ -115,11 +146,20 @@ class Choice:
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.prompt_ids: list[int] | None = None
+        self.has_ids = False  # the engine sent token ids for it
 
-    def add(self, choice: Mapping[str, Any], chat: bool) -> None:
+    def add(self, choice: Mapping[str, Any], chat: bool, *, chunk: bool = False) -> None:
+        """Add a whole choice, or a streamed chunk's (`chunk`: one without token ids is
+        fine when it carries no tokens either, e.g. vLLM's first chat chunk, the role)."""
         ids = choice.get("token_ids")
         if ids is None:
-            raise ProtocolError("the engine returned no token_ids (it needs vLLM's return_token_ids)")
+            ids = choice.get("response_token_ids")  # SGLang's chat answers
+        if ids is None:
+            if not chunk or _carries_tokens(choice, chat):
+                raise ProtocolError(NO_TOKEN_IDS)
+            ids = []
+        else:
+            self.has_ids = True
         self.ids += ids
         if ids:
             self.logprobs += _logprobs(choice.get("logprobs"), chat, len(ids))
@@ -127,6 +167,20 @@ class Choice:
             self.prompt_ids = list(choice["prompt_token_ids"])
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
+
+
+def _carries_tokens(choice: Mapping[str, Any], chat: bool) -> bool:
+    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+    return bool(text) or bool(choice.get("logprobs"))
+
+
+def _stamped(data: Mapping[str, Any]) -> Any:
+    """The version an engine stamped on an answer: `weight_version` (rollstream engine),
+    `metadata.weight_version` (SGLang), or None."""
+    if data.get("weight_version") is not None:
+        return data["weight_version"]
+    metadata = data.get("metadata")
+    return metadata.get("weight_version") if isinstance(metadata, Mapping) else None
 
 
 def _logprobs(block: Any, chat: bool, n: int) -> list[float]:
@@ -144,16 +198,19 @@ class Gateway:
 
     def __init__(self, engines: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
                  health_interval_s: float = 2.0, session_ttl_s: float = 3600.0,
-                 temperature: float | None = None) -> None:
+                 temperature: float | None = None, hold_timeout_s: float = 600.0) -> None:
         if not engines:
             raise ValueError("engines: give at least one engine URL")
         self.engines = [Upstream(url.rstrip("/")) for url in engines]
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.health_interval_s, self.session_ttl_s = health_interval_s, session_ttl_s
+        self.hold_timeout_s = hold_timeout_s
         self.temperature = temperature
         self.sessions: dict[str, Recording] = {}
         self._client: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # a new connection per request: the retries
         self._probe: asyncio.Task | None = None
+        self.retried = 0  # requests sent again on a fresh connection
 
     # ------------------------------------------------------------------ the application
 
@@ -170,20 +227,24 @@ class Gateway:
         r.add_get("/health", self._health)
         r.add_get("/engines", self._health)
         r.add_post("/weight_version", self._weight_version)
+        r.add_post("/engines/hold", self._hold)
+        r.add_post("/engines/release", self._release)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
 
     async def _start(self, app: web.Application) -> None:
         self._client = aiohttp.ClientSession(timeout=self.timeout)
+        self._fresh = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(force_close=True))
         self._probe = asyncio.create_task(self._probe_loop())
 
     async def _stop(self, app: web.Application) -> None:
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)
-        if self._client is not None:
-            await self._client.close()
+        for client in (self._client, self._fresh):
+            if client is not None:
+                await client.close()
 
     async def _probe_loop(self) -> None:
         """Bring engines that answer `/health` back up; drop sessions idle past their TTL."""
@@ -196,17 +257,21 @@ class Gateway:
 
     async def _probe_down(self) -> None:
         """Probe every engine marked down once; those that answer are up again."""
-        assert self._client is not None
         for engine in self.engines:
-            if engine.up:
-                continue
-            try:
-                async with self._client.get(f"{engine.url}/health", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
-                    if resp.status == 200:
-                        engine.up, engine.last_error = True, None
-                        log.warning("gateway: engine %s is up again", engine.url)
-            except UNREACHABLE as exc:
-                engine.last_error = f"{type(exc).__name__}: {exc}"  # still down; probed again later
+            if not engine.up and await self._healthy(engine):
+                engine.up, engine.last_error = True, None
+                log.warning("gateway: engine %s is up again", engine.url)
+
+    async def _healthy(self, engine: Upstream) -> bool:
+        """Whether `engine` answers `GET /health` with 200 (on a fresh connection)."""
+        assert self._fresh is not None
+        try:
+            async with self._fresh.get(f"{engine.url}/health",
+                                       timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
+                return resp.status == 200
+        except UNREACHABLE as exc:
+            engine.last_error = f"{type(exc).__name__}: {exc}"  # down; probed again later
+            return False
 
     # ------------------------------------------------------------------ sessions
 
@@ -247,15 +312,32 @@ class Gateway:
         return web.json_response({"status": "ok" if up else "down", "engines": [e.view() for e in self.engines],
                                   "sessions": len(self.sessions)}, status=200 if up else 503)
 
-    async def _weight_version(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
-        version = body_field(body, "version", int, minimum=0)
+    def _chosen(self, body: Mapping[str, Any]) -> list[Upstream]:
         url = body_field(body, "engine", str, None, nullable=True)
         chosen = [e for e in self.engines if url is None or e.url == url.rstrip("/")]
         if not chosen:
             raise BadRequest(f"engine {url!r} is not one of this gateway's", param="engine")
+        return chosen
+
+    async def _weight_version(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        version = body_field(body, "version", int, minimum=0)
+        chosen = self._chosen(body)
         for e in chosen:
             e.version = version
+            e.released.set()
+        return web.json_response({"engines": [e.view() for e in chosen]})
+
+    async def _hold(self, request: web.Request) -> web.Response:
+        chosen = self._chosen(await json_body(request))
+        for e in chosen:
+            e.released.clear()
+        return web.json_response({"engines": [e.view() for e in chosen]})
+
+    async def _release(self, request: web.Request) -> web.Response:
+        chosen = self._chosen(await json_body(request))
+        for e in chosen:
+            e.released.set()
         return web.json_response({"engines": [e.view() for e in chosen]})
 
     # ------------------------------------------------------------------ forwarding
@@ -270,12 +352,11 @@ class Gateway:
         engine = self.pick(self.session(request.match_info["sid"]))
         if engine is None:
             return error(503, "no inference engine is up")
-        assert self._client is not None
         try:
-            async with self._client.get(f"{engine.url}/v1/models") as resp:
+            async with self._request("GET", f"{engine.url}/v1/models") as resp:
                 return web.json_response(await resp.json(), status=resp.status)
         except UNREACHABLE as exc:
-            self._down(engine, exc)
+            await self._failed(engine, exc)
             return error(502, f"engine {engine.url} is unreachable: {exc}")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -288,6 +369,7 @@ class Gateway:
         out = dict(body)
         if chat:
             out["logprobs"] = True
+            out["return_prompt_token_ids"] = True  # SGLang's chat answers
         elif out.get("logprobs") is None:
             out["logprobs"] = 0
         out["return_token_ids"] = True
@@ -307,12 +389,33 @@ class Gateway:
             return error(400, f"this session reached max_turns={s.max_turns}", code="max_turns")
         return None
 
-    def _down(self, engine: Upstream, exc: BaseException) -> None:
+    async def _failed(self, engine: Upstream, exc: BaseException) -> None:
+        """A call to `engine` failed: counted; the engine leaves the rotation only when its
+        `/health` does not answer either."""
         engine.failures += 1
-        engine.last_error = f"{type(exc).__name__}: {exc}"
-        if engine.up:
-            log.warning("gateway: engine %s is down (%s)", engine.url, engine.last_error)
-        engine.up = False
+        failure = engine.last_error = f"{type(exc).__name__}: {exc}"
+        if engine.up and not await self._healthy(engine):
+            engine.up = False
+            log.warning("gateway: engine %s is down (%s; /health: %s)", engine.url, failure, engine.last_error)
+
+    @contextlib.asynccontextmanager
+    async def _request(self, method: str, url: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A request on a pooled connection, sent once more on a fresh one when the pooled
+        one turns out closed by the engine before it read the request (module docstring)."""
+        assert self._client is not None and self._fresh is not None
+        try:
+            resp = await self._client.request(method, url, **kw)
+        except UNREACHABLE as exc:
+            if not _stale(exc):
+                raise
+            self.retried += 1
+            log.info("gateway: %s %s failed on a pooled connection (%s: %s); sent again on a fresh one",
+                     method, url, type(exc).__name__, exc)
+            resp = await self._fresh.request(method, url, **kw)
+        try:
+            yield resp
+        finally:
+            resp.release()
 
     async def _forward(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await json_body(request)
@@ -328,13 +431,21 @@ class Gateway:
         if engine is None:
             s.infra_error = "no inference engine is up"
             return error(503, s.infra_error, code="infra_error")
+        if not engine.released.is_set():  # a push is under way: wait for the new version
+            engine.waiting += 1
+            try:
+                await asyncio.wait_for(engine.released.wait(), self.hold_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("gateway: engine %s held calls for %.0fs; sending them", engine.url, self.hold_timeout_s)
+            finally:
+                engine.waiting -= 1
         s.engine = engine
         engine.outstanding += 1
         engine.calls += 1
-        assert self._client is not None
+        started = engine.version
         url = f"{engine.url}/v1/{'chat/completions' if chat else 'completions'}"
         try:
-            async with self._client.post(url, json=self._upstream_body(body, chat)) as resp:
+            async with self._request("POST", url, json=self._upstream_body(body, chat)) as resp:
                 if resp.status >= 500:
                     text = await resp.text()
                     s.infra_error = f"engine {engine.url} answered {resp.status}: {text[:500]}"
@@ -343,12 +454,12 @@ class Gateway:
                 if resp.status >= 400:
                     return await self._passthrough_error(resp, s)
                 if stream:
-                    return await self._relay_stream(request, resp, s, chat, engine)
+                    return await self._relay_stream(request, resp, s, chat, engine, started)
                 data = await resp.json()
-                self._record(s, data, _choices(data, chat), engine)
+                self._record(s, data, _choices(data, chat), engine, started)
                 return web.json_response(data)
         except UNREACHABLE as exc:
-            self._down(engine, exc)
+            await self._failed(engine, exc)
             s.infra_error = f"engine {engine.url} is unreachable: {type(exc).__name__}: {exc}"
             return error(502, s.infra_error, code="infra_error")
         finally:
@@ -356,16 +467,12 @@ class Gateway:
 
     async def _passthrough_error(self, resp: aiohttp.ClientResponse, s: Recording) -> web.Response:
         raw = await resp.read()
-        try:
-            code = (json.loads(raw).get("error") or {}).get("code")
-        except (ValueError, AttributeError):
-            code = None
-        if code == "context_length_exceeded":
+        if context_exceeded(raw):
             s.truncated = "max_tokens"
         return web.Response(body=raw, status=resp.status, content_type=resp.content_type)
 
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, s: Recording,
-                            chat: bool, engine: Upstream) -> web.StreamResponse:
+                            chat: bool, engine: Upstream, started: int) -> web.StreamResponse:
         """Pass the engine's events through as they come, accumulating each choice."""
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
@@ -376,13 +483,13 @@ class Gateway:
             if not finished:
                 raise aiohttp.ClientPayloadError(f"the stream from {engine.url} ended without [DONE]")
         except UNREACHABLE as exc:  # the harness sees an error event; the session is flagged
-            self._down(engine, exc)
+            await self._failed(engine, exc)
             s.infra_error = f"engine {engine.url} broke the stream: {type(exc).__name__}: {exc}"
             event = {"error": {"message": s.infra_error, "type": "server_error", "code": "infra_error"}}
             await out.write(f"data: {json.dumps(event)}\n\n".encode())
         else:
             if s.protocol_error is None:
-                self._record(s, top, [acc[i] for i in sorted(acc)], engine)
+                self._record(s, top, [acc[i] for i in sorted(acc)], engine, started)
         await out.write_eof()
         return out
 
@@ -397,30 +504,34 @@ class Gateway:
                 continue
             data = line[len("data:"):].strip()
             if data == "[DONE]":
+                await out.write(b"\n")  # the blank line that ends the event; the engine's is not read
                 return True
             event = json.loads(data)
-            for key in ("prompt_token_ids", "weight_version"):
+            for key in ("prompt_token_ids", "weight_version", "metadata"):
                 if event.get(key) is not None:
                     top[key] = event[key]
             try:
                 for c in event.get("choices") or []:
-                    acc.setdefault(int(c.get("index", 0)), Choice()).add(c, chat)
+                    acc.setdefault(int(c.get("index", 0)), Choice()).add(c, chat, chunk=True)
             except ProtocolError as exc:
                 s.protocol_error = str(exc)
         return False
 
     def _record(self, s: Recording, data: Mapping[str, Any], choices: list[Choice] | ProtocolError,
-                engine: Upstream) -> None:
+                engine: Upstream, started: int) -> None:
         if isinstance(choices, ProtocolError):
             s.protocol_error = str(choices)
             return
-        version = data.get("weight_version")
+        version = _stamped(data)
         try:
-            version = engine.version if version is None else int(version)
+            version = min(started, engine.version) if version is None else int(version)
         except (TypeError, ValueError):
             s.protocol_error = f"the engine's weight_version {version!r} is not an integer"
             return
         for c in choices:
+            if not c.has_ids:
+                s.protocol_error = NO_TOKEN_IDS
+                return
             prompt = c.prompt_ids if c.prompt_ids is not None else data.get("prompt_token_ids")
             if prompt is None:
                 s.protocol_error = "the engine returned no prompt_token_ids (it needs vLLM's return_token_ids)"
@@ -429,6 +540,18 @@ class Gateway:
                             "finish_reason": c.finish_reason, "version": version})
             if s.max_tokens is not None and len(prompt) + len(c.ids) >= s.max_tokens:
                 s.truncated = s.truncated or "max_tokens"
+
+
+def context_exceeded(raw: bytes | str) -> bool:
+    """Whether an engine's 4xx answer refuses a prompt longer than its context: the OpenAI
+    code `context_length_exceeded` (rollstream engine, SGLang) or vLLM's message."""
+    try:
+        error = json.loads(raw).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(error, Mapping):
+        return False
+    return error.get("code") == "context_length_exceeded" or "maximum context length" in str(error.get("message", ""))
 
 
 def _choices(data: Mapping[str, Any], chat: bool) -> list[Choice] | ProtocolError:

@@ -82,7 +82,9 @@ class HFTokenizer:
 
     def chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         if getattr(self.tok, "chat_template", None):
-            return list(self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+            # return_dict=False: transformers 5 otherwise returns a BatchEncoding (its keys would be listed)
+            return list(self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
         return self.encode("".join(m["content"] for m in messages))
 
     def until_eos(self, ids: Sequence[int]) -> tuple[list[int], bool]:

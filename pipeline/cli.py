@@ -70,6 +70,12 @@ def _bench_admission(args: argparse.Namespace) -> int:
     return bench_admission.run_from_args(args)
 
 
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from pipeline import bench_vllm
+
+    return bench_vllm.run_from_args(args)
+
+
 def _override(config, model, **values):
     """`config` with the command line's values (those given) applied, validated again."""
     given = {k: v for k, v in values.items() if v is not None}
@@ -235,6 +241,11 @@ def parser() -> argparse.ArgumentParser:
     admission_bench = bench_sub.add_parser("admission", help="admission + packing against the raw Redis floor")
     bench_admission.add_arguments(admission_bench)
     admission_bench.set_defaults(run=_bench_admission)
+    from pipeline import bench_vllm
+
+    vllm_bench = bench_sub.add_parser("vllm", help="a real vLLM server: push seconds, tokens/s, mismatch")
+    bench_vllm.add_arguments(vllm_bench)
+    vllm_bench.set_defaults(run=_bench_vllm)
     return p
 
 

@@ -86,6 +86,8 @@ TRAIN_GAUGES = {
     "importance_mean": "importance_weight_mean",
     "importance_max": "importance_weight_max",
     "mismatch_kl": "trainer_engine_mismatch_kl",
+    "mismatch_abs": "trainer_engine_mismatch_abs",
+    "mismatch_over": "trainer_engine_mismatch_over",
 }
 """Keys of the trainer's loss metrics (`GRPOObjective.loss`) that have a dedicated gauge.
 Every finite key of those, and of `SchedulerRecord.metrics` on the admission side, is also
@@ -213,6 +215,14 @@ class Metrics:
             "trainer_engine_mismatch_kl", "Trainer-engine mismatch of the latest step: k3 "
             "estimate of KL(behaviour || trainer) on tokens sampled by the trainer's "
             "version.", ("shard",))
+        self.trainer_engine_mismatch_abs = gauge(
+            "trainer_engine_mismatch_abs", "Training-inference mismatch of the latest step: mean "
+            "|trainer log-prob - engine log-prob| over the tokens sampled by the trainer's version.",
+            ("shard",))
+        self.trainer_engine_mismatch_over = gauge(
+            "trainer_engine_mismatch_over", "Share of the latest step's tokens sampled by the "
+            "trainer's version whose trainer and engine log-probs differ by more than 0.1.",
+            ("shard",))
 
         # -- rollout consumers (label consumer)
         self.consumer_slots_busy = gauge(

@@ -162,16 +162,31 @@ class DataConfig(_Model):
 
 
 class PublisherConfig(_Model):
-    """Where the weights go: Redis (chunked safetensors) or a shared directory."""
+    """Where the weights go: Redis (chunked safetensors), a shared directory, or external
+    inference engines that load each version from a shared directory (`producers.engines`:
+    `vllm`, `sglang`; each push is told to the `gateways` too)."""
 
-    kind: Literal["redis", "directory"] = "redis"
-    path: str | None = Field(None, description="the directory (kind: directory)")
+    kind: Literal["redis", "directory", "vllm", "sglang"] = "redis"
+    path: str | None = Field(None, description="the directory (kind: directory, vllm, sglang)")
     keep: int = Field(2, ge=1, description="versions kept; older ones expire")
+    engines: list[str] = Field(default_factory=list, description="engine base URLs (kind: vllm, sglang)")
+    gateways: list[str] = Field(default_factory=list, description="recording gateways told each version")
+    timeout_s: float = Field(300.0, gt=0, description="per engine request (kind: vllm, sglang)")
+    retries: int = Field(3, ge=0, description="retries of a failed engine request (kind: vllm, sglang)")
+    pause_mode: Literal["wait", "keep", "abort"] = Field(
+        "wait", description="vLLM's /pause mode around a reload (kind: vllm)")
 
     @model_validator(mode="after")
     def _path(self) -> PublisherConfig:
-        if self.kind == "directory" and not self.path:
-            raise ValueError("publisher.kind=directory needs publisher.path")
+        if self.kind != "redis" and not self.path:
+            raise ValueError(f"publisher.kind={self.kind} needs publisher.path")
+        if self.kind in ("vllm", "sglang") and not self.engines:
+            raise ValueError(f"publisher.kind={self.kind} needs publisher.engines (their URLs)")
+        if self.kind not in ("vllm", "sglang") and (self.engines or self.gateways):
+            raise ValueError("publisher.engines and publisher.gateways need publisher.kind=vllm or sglang")
+        for url in (*self.engines, *self.gateways):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"publisher: {url!r} is not an http(s) URL")
         return self
 
 

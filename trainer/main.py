@@ -80,12 +80,23 @@ def data_env(data: DataConfig) -> Any:
 
 
 def _publisher(config: RunConfig, r: Any, keys: Keys) -> Any:
+    """The publisher `config.publisher` describes; engines are checked (`preflight`) first."""
     from producers.publishers import DirectoryPublisher, RedisPublisher
 
-    if config.publisher.kind == "directory":
-        assert config.publisher.path is not None
-        return DirectoryPublisher(config.publisher.path, keep=config.publisher.keep)
-    return RedisPublisher(r, keys, keep=config.publisher.keep)
+    p = config.publisher
+    if p.kind == "redis":
+        return RedisPublisher(r, keys, keep=p.keep)
+    assert p.path is not None
+    if p.kind == "directory":
+        return DirectoryPublisher(p.path, keep=p.keep)
+    from producers.engines import SGLangPublisher, VLLMPublisher
+
+    options: dict[str, Any] = {"keep": p.keep, "gateways": p.gateways, "timeout_s": p.timeout_s,
+                               "retries": p.retries, "base": config.trainer.model.path}
+    publisher = (VLLMPublisher(p.engines, p.path, pause_mode=p.pause_mode, **options) if p.kind == "vllm"
+                 else SGLangPublisher(p.engines, p.path, **options))
+    publisher.preflight()
+    return publisher
 
 
 def run(config: RunConfig, *, stop: threading.Event | None = None,
@@ -125,6 +136,8 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
 
         keys = Keys(config.redis.namespace)
         publisher = TimedPublisher(_publisher(config, r, keys), metrics)
+        if callable(getattr(publisher.inner, "close", None)):
+            stack.callback(publisher.inner.close)
         # the admission consumers apply the scheduling rules (their own `scheduler` section);
         # the trainer's side needs the ones it acts on: ahead, sync_every, width and rows
         rules = config.scheduler.model_dump(exclude={"batch_size", "inflight_samples", "backfill",

@@ -286,11 +286,8 @@ class GRPOObjective:
           r > 1 + eps_high, or A < 0 and r < 1 - eps_low), i.e. the gradient is cut;
         - ``importance_mean``/``importance_max``: behavior_importance before any cap;
           ``importance_capped``: share of L above `importance_cap`;
-        - ``mismatch_kl``: trainer-engine mismatch, the k3 estimate of KL(behaviour ||
-          proximal), mean of exp(d) - 1 - d with d = logp_prox - logp_behav, over the loss
-          tokens served by `trainer_version` (the weights the trainer holds; other versions'
-          tokens differ by staleness, not by engine); ``mismatch_k1``: mean of -d there;
-          ``mismatch_tokens``: how many tokens that is (0 when trainer_version is None).
+        - the training-inference mismatch over the tokens the trainer's own version served
+          (``mismatch_*``: see `mismatch`).
         """
         with torch.no_grad():
             mask = rows.loss_mask
@@ -299,10 +296,6 @@ class GRPOObjective:
             clipped = ((adv > 0) & (ratio > 1 + self.eps_high)) | ((adv < 0) & (ratio < 1 - self.eps_low))
             log_w = (proximal_logp - rows.logprobs)[mask]
             weight = torch.exp(log_w)
-            same = torch.zeros_like(mask)
-            if trainer_version is not None:
-                same = mask & (rows.versions == trainer_version)
-            d = (proximal_logp - rows.logprobs)[same]
             cap = self.importance_cap
             return {
                 "loss_tokens": float(n),
@@ -310,7 +303,38 @@ class GRPOObjective:
                 "importance_mean": float(weight.mean()) if n else float("nan"),
                 "importance_max": float(weight.max()) if n else float("nan"),
                 "importance_capped": float((weight > cap).float().mean()) if n and cap is not None else 0.0,
-                "mismatch_kl": float((torch.exp(d) - 1 - d).mean()) if d.numel() else float("nan"),
-                "mismatch_k1": float((-d).mean()) if d.numel() else float("nan"),
-                "mismatch_tokens": float(d.numel()),
+                **mismatch(proximal_logp, rows, trainer_version),
             }
+
+
+MISMATCH_THRESHOLD = 0.1
+"""|logp_prox - logp_behav| (nats) beyond which a token counts in ``mismatch_over``."""
+
+
+def mismatch(proximal_logp: torch.Tensor, rows: Rows, trainer_version: int | None,
+             threshold: float = MISMATCH_THRESHOLD) -> dict[str, float]:
+    """Training-inference mismatch: how far the engines' behaviour log-probs b_t are from
+    the trainer's proximal log-probs p_t on the loss tokens served by `trainer_version`
+    (the weights the trainer holds, so p_t and b_t come from the same weights; tokens of
+    other versions differ by staleness, not by engine). With d = p_t - b_t there:
+
+    - ``mismatch_abs``: mean |d|; ``mismatch_over``: share of those tokens with |d| >
+      `threshold`;
+    - ``mismatch_kl``: the k3 estimate of KL(behaviour || proximal), mean of exp(d) - 1 - d;
+      ``mismatch_k1``: mean of -d;
+    - ``mismatch_tokens``: how many tokens that is (0 when `trainer_version` is None; the
+      means are then NaN).
+
+    A wrong temperature, a stale KV cache after a reload, a log-prob mode that ignores the
+    temperature, or a lower-precision engine shows here first."""
+    with torch.no_grad():
+        same = torch.zeros_like(rows.loss_mask)
+        if trainer_version is not None:
+            same = rows.loss_mask & (rows.versions == trainer_version)
+        d = (proximal_logp.float() - rows.logprobs.float())[same]
+        if not d.numel():
+            return {"mismatch_abs": float("nan"), "mismatch_over": float("nan"), "mismatch_kl": float("nan"),
+                    "mismatch_k1": float("nan"), "mismatch_tokens": 0.0}
+        return {"mismatch_abs": float(d.abs().mean()), "mismatch_over": float((d.abs() > threshold).float().mean()),
+                "mismatch_kl": float((torch.exp(d) - 1 - d).mean()), "mismatch_k1": float((-d).mean()),
+                "mismatch_tokens": float(d.numel())}

@@ -12,6 +12,9 @@ thread) or `async arun(request) -> Session` (see `pipeline.sessions`).
 - `consumers.sources.prompts:PromptSetSource`: a single-turn prompt set with a verifier.
 - `consumers.sources.harness:HarnessSource`: an agent harness behind the recording gateway
   (docs/harness.md).
+- `consumers.sources.completions:CompletionsSource`: plain tasks of those environments
+  sampled by an OpenAI-compatible engine (vLLM, SGLang) through the recording gateway
+  (docs/engines.md).
 """
 
 from __future__ import annotations

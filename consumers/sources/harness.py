@@ -95,6 +95,55 @@ def _resolve(spec: Any, what: str) -> Any:
     return spec
 
 
+class GatewayClient:
+    """The recording gateway's session API as a source uses it: open a session with its
+    limits, read what it recorded, free it (`consumers.gateway`)."""
+
+    def __init__(self, gateway: str, timeout_s: float) -> None:
+        if not isinstance(gateway, str) or not gateway.startswith(("http://", "https://")):
+            raise ValueError(f"gateway must be an http(s) URL, got {gateway!r}")
+        self.gateway = gateway.rstrip("/")
+        self.http = httpx.Client(timeout=timeout_s)
+
+    @staticmethod
+    def session_id(request: SessionRequest) -> str:
+        return (f"{quote(request.task.id, safe='')}.{request.group}.{request.sample}.{request.attempt}."
+                f"{uuid.uuid4().hex[:8]}")
+
+    def url(self, sid: str) -> str:
+        return f"{self.gateway}/sessions/{sid}"
+
+    def open(self, sid: str, *, max_turns: int | None, max_tokens: int | None) -> None:
+        """Create the session (raises httpx.TransportError when the gateway is unreachable)."""
+        self.http.put(self.url(sid), json={"max_turns": max_turns, "max_tokens": max_tokens}).raise_for_status()
+
+    def record(self, sid: str) -> dict[str, Any] | None:
+        """What the gateway recorded, or None when it no longer knows the session (restarted)."""
+        answer = self.http.get(self.url(sid))
+        if answer.status_code == 404:
+            log.error("gateway session %s: the gateway %s no longer knows it", sid, self.gateway)
+            return None
+        answer.raise_for_status()
+        recorded = answer.json()
+        if recorded.get("protocol_error"):
+            raise RuntimeError(f"gateway session {sid}: {recorded['protocol_error']}")
+        return recorded
+
+    def free(self, sid: str) -> None:
+        try:
+            self.http.delete(self.url(sid))
+        except httpx.TransportError as exc:  # the gateway drops idle sessions itself
+            log.warning("gateway session %s: could not free it: %s", sid, exc)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def recorded_calls(recorded: Mapping[str, Any]) -> list[Call]:
+    """The `Call`s of a gateway record (`GET /sessions/{id}`)."""
+    return [_call(c, i) for i, c in enumerate(recorded["calls"])]
+
+
 class HarnessSource:
     """See the module docstring. Keyword arguments only (buildable from a consumer config)."""
 
@@ -102,14 +151,13 @@ class HarnessSource:
                  verifier: Callable[[Task, Any], Any] | str, max_turns: int | None = None,
                  max_tokens: int | None = None, timeout_s: float | None = None, poll_s: float = 0.05,
                  http_timeout_s: float = 30.0, env: Mapping[str, str] | None = None) -> None:
-        if not isinstance(gateway, str) or not gateway.startswith(("http://", "https://")):
-            raise ValueError(f"gateway must be an http(s) URL, got {gateway!r}")
         for name, value in (("max_turns", max_turns), ("max_tokens", max_tokens)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.gateway = gateway.rstrip("/")
+        self.client = GatewayClient(gateway, http_timeout_s)
+        self.gateway = self.client.gateway
         if callable(harness):
             self.harness, self.command = harness, None
         elif isinstance(harness, str):
@@ -123,21 +171,20 @@ class HarnessSource:
             raise TypeError(f"verifier must be callable or module:function, got {verifier!r}")
         self.max_turns, self.max_tokens, self.timeout_s = max_turns, max_tokens, timeout_s
         self.poll_s, self.env = poll_s, dict(env or {})
-        self.http = httpx.Client(timeout=http_timeout_s)
+        self.http = self.client.http
 
     def close(self) -> None:
-        self.http.close()
+        self.client.close()
 
     # ------------------------------------------------------------------ a session
 
     def session_id(self, request: SessionRequest) -> str:
-        return (f"{quote(request.task.id, safe='')}.{request.group}.{request.sample}.{request.attempt}."
-                f"{uuid.uuid4().hex[:8]}")
+        return self.client.session_id(request)
 
     def run(self, request: SessionRequest) -> Session:
         started = time.time()
         sid = self.session_id(request)
-        url = f"{self.gateway}/sessions/{sid}"
+        url = self.client.url(sid)
         deadline = request.deadline
         if self.timeout_s is not None:
             deadline = min(deadline or float("inf"), started + self.timeout_s)
@@ -148,7 +195,7 @@ class HarnessSource:
                            {"run_s": time.time() - started})
 
         try:
-            self.http.put(url, json={"max_turns": self.max_turns, "max_tokens": self.max_tokens}).raise_for_status()
+            self.client.open(sid, max_turns=self.max_turns, max_tokens=self.max_tokens)
         except httpx.TransportError as exc:
             log.error("harness session %s: the gateway %s is unreachable: %s", sid, self.gateway, exc)
             return end(Status.INFRA_ERROR)
@@ -156,26 +203,18 @@ class HarnessSource:
             outcome = self._run_harness(request, f"{url}/v1", deadline)
             if outcome.cut is not None:
                 self.http.post(f"{url}/close", json={"reason": outcome.cut})
-            record = self.http.get(url)
-            if record.status_code == 404:  # the gateway restarted and lost the session
-                log.error("harness session %s: the gateway %s no longer knows it", sid, self.gateway)
+            recorded = self.client.record(sid)
+            if recorded is None:  # the gateway restarted and lost the session
                 return end(Status.INFRA_ERROR)
-            record.raise_for_status()
-            recorded = record.json()
         except httpx.TransportError as exc:
             log.error("harness session %s: the gateway %s is unreachable: %s", sid, self.gateway, exc)
             return end(Status.INFRA_ERROR)
         finally:
-            try:
-                self.http.delete(url)
-            except httpx.TransportError as exc:  # the gateway drops idle sessions itself
-                log.warning("harness session %s: could not free it: %s", sid, exc)
+            self.client.free(sid)
 
         if outcome.cut == "cancelled" or request.cancelled.is_set():
             return end(Status.CANCELLED)
-        if recorded.get("protocol_error"):
-            raise RuntimeError(f"gateway session {sid}: {recorded['protocol_error']}")
-        calls = [_call(c, i) for i, c in enumerate(recorded["calls"])]
+        calls = recorded_calls(recorded)
         if recorded.get("infra_error"):
             log.warning("harness session %s: infrastructure error: %s", sid, recorded["infra_error"])
             return end(Status.INFRA_ERROR, calls=calls)

@@ -30,6 +30,7 @@ OWNER = {
     "rollstream_trainer_tokens_per_second": "trainer", "rollstream_trainer_loss": "trainer",
     "rollstream_reward_mean": "trainer", "rollstream_importance_weight_mean": "trainer",
     "rollstream_importance_weight_max": "trainer", "rollstream_trainer_engine_mismatch_kl": "trainer",
+    "rollstream_trainer_engine_mismatch_abs": "trainer", "rollstream_trainer_engine_mismatch_over": "trainer",
     "rollstream_weights_published_version": "trainer", "rollstream_weights_push_seconds": "trainer",
     "rollstream_consumer_slots_busy": "consumer", "rollstream_consumer_slots": "consumer",
     "rollstream_step_metric": "admission trainer",  # disjoint names: session vs loss metrics

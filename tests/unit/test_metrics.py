@@ -55,6 +55,8 @@ EXPECTED = {
     "rollstream_importance_weight_mean": "gauge",
     "rollstream_importance_weight_max": "gauge",
     "rollstream_trainer_engine_mismatch_kl": "gauge",
+    "rollstream_trainer_engine_mismatch_abs": "gauge",
+    "rollstream_trainer_engine_mismatch_over": "gauge",
     "rollstream_consumer_slots_busy": "gauge",
     "rollstream_consumer_slots": "gauge",
     "rollstream_stream_length": "gauge",
@@ -225,7 +227,8 @@ def test_observe_actions_events_and_finished(metrics):
 
 def test_trainer_consumer_stream_and_weight_helpers(metrics):
     metrics.observe_train(1, step_s=2.0, tokens=8192, metrics={
-        "loss": 0.3, "importance_mean": 1.01, "importance_max": 3.5, "mismatch_kl": 0.002})
+        "loss": 0.3, "importance_mean": 1.01, "importance_max": 3.5, "mismatch_kl": 0.002,
+        "mismatch_abs": 0.03, "mismatch_over": 0.125})
     metrics.set_slots("consumer-a", busy=5, total=8)
     metrics.observe_stream("work", 40, {"rollout": (12, 28)})
     metrics.observe_stream("results:0", 3, {"admission:0": (None, 3)})
@@ -237,6 +240,8 @@ def test_trainer_consumer_stream_and_weight_helpers(metrics):
     assert get("rollstream_trainer_step_seconds_count", {"shard": "1"}) == 1
     assert get("rollstream_importance_weight_max", {"shard": "1"}) == 3.5
     assert get("rollstream_trainer_engine_mismatch_kl", {"shard": "1"}) == 0.002
+    assert get("rollstream_trainer_engine_mismatch_abs", {"shard": "1"}) == 0.03
+    assert get("rollstream_trainer_engine_mismatch_over", {"shard": "1"}) == 0.125
     assert get("rollstream_consumer_slots_busy", {"consumer": "consumer-a"}) == 5
     assert get("rollstream_consumer_slots", {"consumer": "consumer-a"}) == 8
     assert get("rollstream_stream_length", {"stream": "work"}) == 40

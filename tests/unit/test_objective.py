@@ -217,6 +217,8 @@ def test_loss_and_metrics_by_hand() -> None:
     assert m["mismatch_tokens"] == 2
     assert m["mismatch_kl"] == pytest.approx((math.exp(d) - 1 - d) / 2, rel=1e-5)
     assert m["mismatch_k1"] == pytest.approx(-d / 2, rel=1e-5)
+    assert m["mismatch_abs"] == pytest.approx(-d / 2, rel=1e-5)
+    assert m["mismatch_over"] == 0.5  # |log .5| = 0.69 > 0.1; 0 is not
     loss.backward()
     assert new.grad is not None  # only the unclipped t3 gets a gradient: -w r A / 3
     torch.testing.assert_close(new.grad, torch.tensor([[0.0, 0.0, 0.0, -2 / 3]]))

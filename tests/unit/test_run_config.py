@@ -17,6 +17,11 @@ from trainer.main import batches, data_env
 @pytest.mark.parametrize("data, field", [
     ({"data": {"env": "chess"}}, "data"),
     ({"publisher": {"kind": "directory"}}, "publisher"),
+    ({"publisher": {"kind": "vllm", "path": "/w"}}, "publisher.*engines"),
+    ({"publisher": {"kind": "vllm", "path": "/w", "engines": ["vllm-0:8000"]}}, "publisher.*not an http"),
+    ({"publisher": {"kind": "redis", "gateways": ["http://gw:8000"]}}, "publisher.*kind=vllm or sglang"),
+    ({"publisher": {"kind": "vllm", "path": "/w", "engines": ["http://v:8000"], "pause_mode": "later"}},
+     "publisher.pause_mode"),
     ({"checkpoint": {"resume": "require"}}, "checkpoint.resume"),
     ({"checkpoint": {"every": -1}}, "checkpoint.every"),
     ({"steps": 0}, "steps"),
@@ -84,3 +89,15 @@ def test_a_data_section_the_environment_refuses_names_data_env_args(env_args, re
     data = build(RunConfig, {"data": {"env": "prompts", "env_args": env_args}}).data
     with pytest.raises(ConfigError, match=f"data.env_args: prompts refused .*{reason}"):
         data_env(data)
+
+
+def test_an_engine_publisher_is_built_from_the_publisher_section(tmp_path):
+    from producers.engines import SGLangPublisher, VLLMPublisher
+    from trainer.main import _publisher
+
+    config = build(RunConfig, {"publisher": {"kind": "sglang", "path": str(tmp_path), "engines": ["http://s:30000"],
+                                             "gateways": ["http://gw:8000"], "retries": 1, "keep": 3}})
+    publisher = _publisher(config, None, None)
+    assert isinstance(publisher, SGLangPublisher) and not isinstance(publisher, VLLMPublisher)
+    assert (publisher.engines, publisher.gateways, publisher.retries, publisher.keep) == (
+        ["http://s:30000"], ["http://gw:8000"], 1, 3)

@@ -111,6 +111,13 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          ("k3 estimate of KL(behaviour || trainer) on tokens sampled by the trainer's own "
          "version."),
          [(f"avg by (shard) (rollstream_trainer_engine_mismatch_kl{{{SHARD}}})", "shard {{shard}}")]),
+        ("Training-inference log-prob gap", "timeseries", "short",
+         ("Mean |trainer log-prob - engine log-prob| and the share of tokens beyond 0.1 nats, "
+         "on tokens sampled by the trainer's own version: near 0 when the engine computes what "
+         "the trainer does; large under a wrong temperature or log-prob mode, a stale cache, or "
+         "dtype drift."),
+         [(f"avg by (shard) (rollstream_trainer_engine_mismatch_abs{{{SHARD}}})", "mean |gap| {{shard}}"),
+          (f"avg by (shard) (rollstream_trainer_engine_mismatch_over{{{SHARD}}})", "share > 0.1 {{shard}}")]),
     ]),
     ("Consumers", [
         ("Slot utilisation", "stat", "percentunit",

@@ -48,7 +48,9 @@ exec probes) must pass, in that order, on the same paths; the trainer ranks must
 their steps and exit 0; `rollstream status` runs in the first admission pod (as `kubectl
 exec` would); the `helm test` hook's script must exit 0; then every process gets SIGTERM
 and must exit 0 within its pod's terminationGracePeriodSeconds. What cannot be mapped, or
-any failure, raises `ChartRunError` (the command exits 1) naming the workload and the field.
+any failure, raises `ChartRunError` naming the workload and the field (the command prints
+every problem in one line and exits 1; an unreadable `--values` or `--secrets` file is a
+`ConfigError`, exit 2: `pipeline.errors`).
 
 Checked before anything starts: the image runs the chart's command (`image_problems`: the
 Dockerfile's ENTRYPOINT, USER and layout); every Service selects a pod and reaches a
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib.util
 import json
 import os
 import re
@@ -88,6 +91,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.errors import CommandError, ConfigError
 from pipeline.processes import ROOT, Process, free_port
 
 CHART = ROOT / "helm" / "rollstream"
@@ -113,13 +117,13 @@ HOST_SUFFIXES = ("_HOST", "_ADDR", "_ADDRESS", "_HOSTNAME")
 DEFAULT_PORTS = {"redis": 6379, "rediss": 6379, "http": 80, "https": 443}
 
 
-class ChartRunError(RuntimeError):
-    """What could not be mapped or did not work: one line per problem, each naming the
-    workload and the field."""
+class ChartRunError(CommandError):
+    """What could not be mapped or did not work: `problems`, each naming the workload and the
+    field; the message holds them all, `; ` between them."""
 
     def __init__(self, problems: Iterable[str]) -> None:
         self.problems = list(dict.fromkeys(problems))
-        super().__init__("\n".join(self.problems))
+        super().__init__("; ".join(self.problems))
 
 
 class Problems:
@@ -161,9 +165,9 @@ def load_values(files: Iterable[str | os.PathLike[str]] = (), sets: Iterable[str
         try:
             data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError) as exc:
-            raise ChartRunError([f"--values {path}: {exc}"]) from None
+            raise ConfigError(f"--values {path}: {exc}") from None
         if not isinstance(data, dict):
-            raise ChartRunError([f"--values {path}: must be a mapping, got {type(data).__name__}"])
+            raise ConfigError(f"--values {path}: must be a mapping, got {type(data).__name__}")
         values = merged(values, data)
     for expression in sets:
         values = merged(values, helm.parse_set_string(expression))
@@ -195,11 +199,11 @@ def secrets_from(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]
         try:
             docs = [d for d in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")) if d]
         except (OSError, yaml.YAMLError) as exc:
-            raise ChartRunError([f"--secrets {path}: {exc}"]) from None
+            raise ConfigError(f"--secrets {path}: {exc}") from None
         for doc in docs:
             if not isinstance(doc, dict) or doc.get("kind") != "Secret":
                 what = doc.get("kind") if isinstance(doc, dict) else repr(doc)
-                raise ChartRunError([f"--secrets {path}: holds a {what}, not a Secret"])
+                raise ConfigError(f"--secrets {path}: holds a {what}, not a Secret")
             out.append(doc)
     return out
 
@@ -1672,7 +1676,7 @@ def run(values: Mapping[str, Any], *, folder: Path | None = None, timeout_s: flo
             f"{len(planned.hooks)} helm test hook(s); files and logs under {folder}")
         result = Runner(planned, timeout_s, say).run()
     except ChartRunError as exc:
-        raise ChartRunError([*exc.problems, f"(the pods' files and logs are under {folder})"]) from None
+        raise ChartRunError([*exc.problems, f"the pods' files and logs are under {folder}"]) from None
     result.lines.extend([f"not run  {line}" for line in planned.ignored] + [f"note     {n}" for n in planned.notes])
     if not keep:
         shutil.rmtree(folder, ignore_errors=True)
@@ -1700,17 +1704,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        values = load_values(args.values, args.set)
-        result = run(values, folder=Path(args.out) if args.out else None, timeout_s=args.timeout_s, say=print,
-                     chart=Path(args.chart), release=args.release, namespace=args.namespace,
-                     secrets=secrets_from(args.secrets), steps=args.steps, redis_server=args.redis_server)
-    except ImportError as exc:
-        print(f"rollstream chart-run: needs helm-python-sdk (pip install -e '.[dev]'): {exc}", file=sys.stderr)
-        return 2
-    except ChartRunError as exc:
-        print("rollstream chart-run: FAILED\n" + "\n".join(f"  {line}" for line in exc.problems), file=sys.stderr)
-        return 1
+    """`rollstream chart-run`: 0 when the run passed (what was not emulated is listed); a
+    failure raises (`ChartRunError`, `ConfigError`), which the command reports in one line."""
+    if importlib.util.find_spec("helm_python") is None:
+        raise CommandError("needs helm-python-sdk (pip install -e '.[dev]'), which renders the chart")
+    values = load_values(args.values, args.set)
+    result = run(values, folder=Path(args.out) if args.out else None, timeout_s=args.timeout_s, say=print,
+                 chart=Path(args.chart), release=args.release, namespace=args.namespace,
+                 secrets=secrets_from(args.secrets), steps=args.steps, redis_server=args.redis_server)
     for line in result.lines:
         if line.startswith(("not run", "note")):
             print(line)

@@ -335,9 +335,13 @@ def test_the_command_exits_non_zero_naming_the_workload_and_field(tmp_path):
                            "--set", "trainer.config.checkpoint.dir=/checkpoints"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "rollstream chart-run: FAILED" in done.stderr
-    assert ("StatefulSet/rs-rollstream-trainer container trainer: /etc/rollstream/trainer.json checkpoint.dir: "
-            "/checkpoints") in done.stderr
+    (line,) = done.stderr.strip().splitlines()  # one line (pipeline.errors), every problem in it
+    assert line.startswith("rollstream chart-run: StatefulSet/rs-rollstream-trainer container trainer: "
+                           "/etc/rollstream/trainer.json checkpoint.dir: /checkpoints is under no volume mount"), line
+    assert line.endswith(f"; the pods' files and logs are under {tmp_path}"), line
+    unreadable = subprocess.run([sys.executable, "-m", "pipeline.cli", "chart-run", "--values", str(tmp_path / "no.yaml")],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert unreadable.returncode == 2 and unreadable.stderr.startswith(f"rollstream chart-run: --values {tmp_path}/no.yaml: ")
 
 
 def test_gpus_are_handed_out_as_a_device_plugin_would(tmp_path):

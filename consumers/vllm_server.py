@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from pipeline.errors import CommandError
+
 VENV_VARIABLE = "ROLLSTREAM_VLLM_VENV"
 VLLM_VERSION = "0.32.0"
 
@@ -83,12 +85,14 @@ class VLLMServer:
         self.started_s = self._wait(start_timeout_s)
 
     def _wait(self, timeout_s: float) -> float:
-        """Seconds until `GET /health` answered 200; raises if the process exits or time runs out."""
+        """Seconds until `GET /health` answered 200; `CommandError` if the process exits or time
+        runs out."""
         start = time.monotonic()
         while True:
             if self.popen.poll() is not None:
                 self._out.close()
-                raise RuntimeError(f"vLLM exited with {self.popen.returncode}: {self.output()[-3000:]}")
+                raise CommandError(f"vLLM exited with {self.popen.returncode} (its log: {self.log}): "
+                                   f"{self.output()[-3000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return time.monotonic() - start
@@ -96,7 +100,8 @@ class VLLMServer:
                 pass  # not listening yet
             if time.monotonic() - start > timeout_s:
                 self.stop()
-                raise RuntimeError(f"vLLM did not answer /health within {timeout_s}s: {self.output()[-3000:]}")
+                raise CommandError(f"vLLM did not answer /health within {timeout_s}s (its log: {self.log}): "
+                                   f"{self.output()[-3000:]}")
             time.sleep(0.5)
 
     def output(self) -> str:

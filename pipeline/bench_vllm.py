@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import CommandError
+
 NAME = "bench"
 
 
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     why = missing()
     if why is not None:
-        raise SystemExit(f"rollstream bench vllm: {why}")
+        raise CommandError(f"vllm: {why}")
     out: dict[str, Any] = {"dtype": args.dtype, "concurrency": args.concurrency, "tokens": args.tokens,
                            "temperature": args.temperature, "rounds": args.rounds}
     with tempfile.TemporaryDirectory(prefix="rollstream-bench-vllm-") as tmp:
@@ -207,7 +209,7 @@ def _gateway(engine: str, log: Path) -> tuple[Any, str]:
             pass  # not listening yet
         if not process.alive or time.monotonic() > deadline:
             process.stop()
-            raise RuntimeError(f"the gateway did not start: {process.output()[-2000:]}")
+            raise CommandError(f"the gateway did not start: {process.output()[-2000:]}")
         time.sleep(0.1)
 
 

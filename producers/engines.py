@@ -57,6 +57,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from pipeline.errors import CommandError
 from producers.publishers import DirectoryPublisher, Published, state_dict
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
-class EnginePushError(RuntimeError):
-    """An engine did not load a published version (`status`: the HTTP status that refused it)."""
+class EnginePushError(CommandError):
+    """An engine did not load a published version, or is not set up for a run (`status`: the
+    HTTP status that refused it); the trainer stops with it in one line."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

@@ -11,8 +11,9 @@ admission consumers (one per shard: `rollstream admission --shard N`, with the s
 `scheduler` section) and rollout consumers (`rollstream consumer`, whose source runs the
 same `data.env`) run as their own processes.
 
-Each process: reaches Redis and checks its credentials (a wrong URL or password fails at
-once, before DeepSpeed); builds its DeepSpeed engine (torch.distributed from the launcher's
+Each process: reaches Redis and checks its credentials, and checks the engines its
+publisher pushes to (`preflight`; a wrong URL, password or engine fails at once, before
+DeepSpeed); builds its DeepSpeed engine (torch.distributed from the launcher's
 environment; `trainer.engine`); joins the `Pool` when the world has more than one rank
 (`shard = rank // share`; alone, the shard is `ROLLSTREAM_SHARD`, default 0); resumes from
 the newest checkpoint under `checkpoint.dir` when there is one (`trainer.checkpoint`: the
@@ -113,10 +114,15 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
     env = data_env(config.data)  # before the engine: a bad data section fails at once
     objective = GRPOObjective(**config.objective.model_dump())
     with ExitStack() as stack:
-        # Redis and its credentials before DeepSpeed: a wrong URL or password fails at once
+        # Redis and its credentials, and the engines a publisher pushes to, before DeepSpeed:
+        # a wrong URL, password or engine fails at once
         r = connect(config.redis)
         stack.callback(r.close)
         check(r, config.redis)
+        keys = Keys(config.redis.namespace)
+        publisher = TimedPublisher(_publisher(config, r, keys), metrics)
+        if callable(getattr(publisher.inner, "close", None)):
+            stack.callback(publisher.inner.close)
         engine = build_engine(config.trainer)
         rank, world = dist.get_rank(), dist.get_world_size()
         pool = Pool(share=config.share, timeout_s=config.step_timeout_s + 600) if world > 1 else None
@@ -134,10 +140,6 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
             log.warning("the checkpoint is at step %d of %d: nothing left to train", start, config.steps)
             return start
 
-        keys = Keys(config.redis.namespace)
-        publisher = TimedPublisher(_publisher(config, r, keys), metrics)
-        if callable(getattr(publisher.inner, "close", None)):
-            stack.callback(publisher.inner.close)
         # the admission consumers apply the scheduling rules (their own `scheduler` section);
         # the trainer's side needs the ones it acts on: ahead, sync_every, width and rows
         rules = config.scheduler.model_dump(exclude={"batch_size", "inflight_samples", "backfill",

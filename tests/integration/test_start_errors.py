@@ -102,6 +102,8 @@ def test_each_start_up_mistake_is_one_line_and_an_exit_code(server, tmp_path):
     _write(tmp_path / "section.yaml", "model: {kind: tiny}\noptimizer: {lr: 0.001}\nzero_stage: 1\n")
     _write(tmp_path / "args.yaml", redis + "source_args: {env: arithmetic}\n")
     _write(tmp_path / "broken.yaml", redis + "slots: [8\n")
+    engine = f"http://127.0.0.1:{free_port()}"
+    _write(tmp_path / "vllm.yaml", redis + tiny + f"publisher: {{kind: vllm, path: w, engines: ['{engine}'], retries: 0}}\n")
     wrong = "refused user 'default' (password from $ROLLSTREAM_REDIS_PASSWORD)"
     unreachable = f"cannot reach Redis at {down} (redis.url): "
     mistakes = [
@@ -117,6 +119,8 @@ def test_each_start_up_mistake_is_one_line_and_an_exit_code(server, tmp_path):
         Mistake("consumer, Redis down", ["consumer", "--config", "gone-consumer.yaml"], 1, unreachable),
         Mistake("trainer, Redis down", ["trainer", "--config", "gone-trainer.yaml"], 1, unreachable),
         Mistake("engine, Redis down", ["engine", "--port", "0", "--weights-redis", down], 1, unreachable),
+        Mistake("trainer, its vLLM not there", ["trainer", "--config", "vllm.yaml"], 1,
+                f"{engine}/server_info?config_format=json failed 1 time(s); last: ConnectError"),
         # a source that is not there, or arguments it does not take
         Mistake("a missing --source module", ["consumer", "--config", consumer, "--source", "my_agent:Source"], 2,
                 "source: cannot import my_agent (ModuleNotFoundError: No module named 'my_agent'); it must be "

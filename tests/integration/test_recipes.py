@@ -5,7 +5,8 @@ and every config block (yaml, json) of the README and docs/ carries a mark, an H
 on the line before its fence, and is checked by it:
 
 - `<!-- recipe: NAME -->`: a command block that the test `test_NAME_recipe` runs line by
-  line in a copy of `examples/`: `cd` moves, a line ending in `&` starts in the background
+  line in a copy of `examples/` (`test_vllm_recipe` is in test_vllm.py, with the other
+  tests of a real vLLM): `cd` moves, a line ending in `&` starts in the background
   (stopped with SIGTERM once the others are done: it must exit 0), any other line must exit
   0. The test substitutes a few strings, in the block and the copied files, and nothing
   else: the Redis URL and namespace (the test's), free ports for the documented ones, and
@@ -55,7 +56,7 @@ EXAMPLES = ROOT / "examples"
 CHECKED = {"bash", "sh", "shell", "console", "yaml", "yml", "json"}
 COMMANDS = ("rollstream ", "python", "torchrun ", "deepspeed ", "helm ", "docker ", "kubectl ", "redis-", "pip ", "cd ")
 MARK = re.compile(r"^<!--\s*(recipe|file|config|not run):\s*(.+?)\s*-->$")
-RECIPES = {"demo", "local", "two_ranks", "harness", "hf_prompts"}
+RECIPES = {"demo", "local", "two_ranks", "harness", "hf_prompts", "chart_run", "vllm"}
 MODELS = {"RunConfig": RunConfig, "TrainerConfig": TrainerConfig, "AdmissionConfig": AdmissionConfig,
           "ConsumerConfig": ConsumerConfig}
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -133,7 +134,7 @@ def _example_configs() -> dict[Path, object]:
 
 def test_every_example_config_validates_and_the_files_of_an_example_agree():
     configs = _example_configs()
-    assert {p.parent.name for p in configs} == {"local", "two-ranks", "harness", "hf-prompts", "gpu"}
+    assert {p.parent.name for p in configs} == {"local", "two-ranks", "harness", "hf-prompts", "gpu", "vllm"}
     for folder in {p.parent for p in configs}:
         trainer = configs[folder / "trainer.yaml"]
         others = [configs[p] for p in (folder / "admission.yaml", folder / "consumer.yaml") if p in configs]
@@ -187,7 +188,7 @@ def _copy_examples(tmp: Path, subs: dict[str, str]) -> str:
     """examples/ copied under `tmp` (without what earlier runs left), with `subs` applied;
     returns all the text the substitutions could apply to."""
     shutil.copytree(EXAMPLES, tmp / "examples", ignore=shutil.ignore_patterns(
-        "checkpoints", "model", "rollstream-demo", "steps*.jsonl", "__pycache__"))
+        "checkpoints", "model", "weights", "rollstream-demo", "steps*.jsonl", "__pycache__"))
     seen = []
     for path in (tmp / "examples").rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".py", ".jsonl"):
@@ -383,3 +384,17 @@ def test_hf_prompts_recipe(tmp_path, redis_url, namespace, r, keys):
     tensors = decode(*published.fetch(1), 1, published.location(1))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     model.load_state_dict(tensors, strict=True)
+
+
+def test_chart_run_recipe(tmp_path):
+    """docs/operations.md: the chart's workloads with its default values as local processes
+    (their own Redis, not the test's; tests/integration/test_chart_run.py checks what ran)."""
+    from pipeline.chart_run import ChartRunError, redis_programs
+
+    try:
+        redis_programs(7)
+    except ChartRunError as exc:
+        pytest.skip(str(exc))
+    with recipe("chart_run", tmp_path, {}) as run:
+        pass
+    assert run.outputs[-1].splitlines()[-1] == "rollstream chart-run: passed", run.outputs[-1]

@@ -59,10 +59,7 @@ class CompletionsSource:
                  model: str | None = None, temperature: float = 1.0, max_new_tokens: int = 16,
                  max_turns: int | None = None, max_tokens: int | None = None, seed: int | None = None,
                  http_timeout_s: float = 600.0) -> None:
-        if isinstance(env, str):
-            env = envs_module.ENVS[env](**dict(env_args or {}))
-        elif env_args:
-            raise ValueError("env_args applies to an environment named by a string")
+        env = envs_module.environment(env, env_args)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         for name, value in (("max_new_tokens", max_new_tokens), ("max_turns", max_turns), ("max_tokens", max_tokens)):

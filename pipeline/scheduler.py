@@ -193,10 +193,27 @@ class AdmittedGroup:
 
 
 @dataclass(frozen=True)
+class DroppedGroup:
+    """A group that ended without being trained: abandoned after `max_attempts` (`cause` is
+    the last failure's: infra_error, cancelled, timeout, unscored) or cut as `surplus` when
+    its batch reached `admit`."""
+
+    group: int
+    batch: int
+    task: Task
+    cause: str
+
+
+@dataclass(frozen=True)
 class Emit:
+    """A step's admitted groups and record. `dropped` lists the groups that ended untrained
+    since the previous emission (stream) or of this step's batch (batch), so every
+    registered task of an epoch ends in exactly one Emit: trained or dropped."""
+
     step: int
     groups: tuple[AdmittedGroup, ...]
     record: SchedulerRecord
+    dropped: tuple[DroppedGroup, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -237,14 +254,14 @@ class _Group:
 
 
 class _Batch:
-    __slots__ = ("tasks", "groups", "submitted", "complete", "abandoned")
+    __slots__ = ("tasks", "groups", "submitted", "complete", "dropped")
 
     def __init__(self, tasks: tuple[Task, ...]) -> None:
         self.tasks = tasks
         self.groups: list[int] = []
         self.submitted = False
         self.complete: list[int] = []  # group ids in completion order
-        self.abandoned = 0
+        self.dropped: list[DroppedGroup] = []  # groups ended untrained, reported at its step
 
 
 class Scheduler:
@@ -315,6 +332,7 @@ class Scheduler:
         self._tasks: deque[tuple[int, Task]] = deque()  # stream mode: tasks not yet drawn
         self._resubmit: deque[tuple[_Group, _Sample, str]] = deque()  # stream: awaiting credit
         self._complete: deque[int] = deque()  # stream mode: complete groups, in order
+        self._dropped: list[DroppedGroup] = []  # stream mode: dropped since the last emission
         self._pending: int | None = None
         self._handover_at = 0.0
         self._last_step = -1
@@ -417,7 +435,9 @@ class Scheduler:
 
     def _failure_cause(self, ev: Finish) -> str | None:
         """None when the rollout is admitted by its status, else the resubmission cause."""
-        if ev.status in (Status.COMPLETED, Status.AGENT_ERROR):
+        if ev.status is Status.COMPLETED:
+            return "unscored" if ev.reward is None else None  # its verifier never scored it
+        if ev.status is Status.AGENT_ERROR:
             return None
         if ev.status is Status.TRUNCATED:
             if self.config.truncation == "score" and ev.reward is None:
@@ -432,18 +452,23 @@ class Scheduler:
             self._resubmit_sample(group, sample, cause, out)
             return
         sample.state = _DEAD
-        viable = sum(s.state != _DEAD for s in group.samples)
+        # samples that can still be admitted: a re-opened group's surplus was cancelled
+        viable = sum(s.state in (_ADMITTED, _RUNNING, _IDLE) for s in group.samples)
         if viable < self.config.groups:
             self._abandon(group, cause, out)
 
     def _abandon(self, group: _Group, cause: str, out: list[Action]) -> None:
         self._cancel_group(group, "abandoned", out)
-        self._counts["abandoned"] += 1
         out.append(Abandon(group.id, group.batch, group.task, cause))
+        self._drop(group, cause)
+
+    def _drop(self, group: _Group, cause: str) -> None:
+        """`group` ends untrained: forgotten, and reported in the Emit of its step (batch
+        mode) or the next one (stream mode)."""
         del self._groups[group.id]
+        dropped = DroppedGroup(group.id, group.batch, group.task, cause)
         batch = self._batches.get(group.batch)
-        if batch is not None:
-            batch.abandoned += 1
+        (batch.dropped if batch is not None else self._dropped).append(dropped)
 
     def _complete_group(self, group: _Group, out: list[Action]) -> None:
         group.complete = True
@@ -458,7 +483,7 @@ class Scheduler:
                 other = self._groups.get(gid)
                 if other is not None and not other.complete:
                     self._cancel_group(other, "surplus", out)
-                    del self._groups[gid]
+                    self._drop(other, "surplus")
 
     def _recheck_lag(self, groups: list[_Group], complete, out: list[Action]) -> None:
         """At consumption, discard admitted rollouts that fell past the bound and resubmit
@@ -643,12 +668,14 @@ class Scheduler:
         if self.config.admission == "batch":
             batch = self._batches[step]
             target = self._admit_target(batch)
-            settled = len(batch.complete) + batch.abandoned >= len(batch.tasks)
+            # settled: every group of the batch is complete or has ended untrained
+            settled = all(gid not in self._groups or self._groups[gid].complete
+                          for gid in batch.groups)
             if len(batch.complete) < target and not settled:
                 return
             chosen = batch.complete[:target]
             del self._batches[step]
-            leftovers = sorted(set(batch.groups).difference(chosen))
+            dropped = batch.dropped
         else:
             self._recheck_lag([self._groups[g] for g in self._complete], self._complete, out)
             target = self._admit_default
@@ -656,10 +683,10 @@ class Scheduler:
             if len(self._complete) < target and not drained:
                 return
             chosen = [self._complete.popleft() for _ in range(min(target, len(self._complete)))]
-            leftovers = []
-        out.append(self._emit(step, chosen, leftovers))
+            dropped, self._dropped = self._dropped, []
+        out.append(self._emit(step, chosen, dropped))
 
-    def _emit(self, step: int, chosen: list[int], leftovers: list[int]) -> Emit:
+    def _emit(self, step: int, chosen: list[int], dropped: list[DroppedGroup]) -> Emit:
         groups = []
         oldest = math.inf
         for gid in chosen:
@@ -668,8 +695,6 @@ class Scheduler:
             samples = tuple(self._key(group, group.samples[i]) for i in keep)
             oldest = min([oldest, *(group.samples[i].oldest for i in keep)])
             groups.append(AdmittedGroup(group.id, group.batch, group.task, samples))
-        for gid in leftovers:
-            self._groups.pop(gid, None)
         version = self.served if oldest == math.inf else int(oldest)
         record = SchedulerRecord(
             updates=self.updates,
@@ -678,14 +703,14 @@ class Scheduler:
             groups=len(groups),
             resubmitted={c: self._resubmitted[c] for c in CAUSES},
             cancelled=self._counts["cancelled"],
-            abandoned=self._counts["abandoned"],
+            abandoned=sum(d.cause != "surplus" for d in dropped),
             cut=0,
             waited=max(0.0, self._now - self._handover_at),
         )
         self._counts.clear()
         self._resubmitted.clear()
         self._pending = None
-        return Emit(step, tuple(groups), record)
+        return Emit(step, tuple(groups), record, tuple(dropped))
 
     # -------------------------------------------------------------- persistence
     # Additive: the admission consumer persists the machine as a snapshot plus a journal of
@@ -693,7 +718,8 @@ class Scheduler:
     # strs, lists, str-keyed maps; never pickle) and restores a machine that answers every
     # later event exactly as the original would.
 
-    SNAPSHOT_VERSION = 1
+    SNAPSHOT_VERSION = 2
+    READS_SNAPSHOTS = (1, 2)  # version 1: before dropped groups were kept
 
     def live_groups(self) -> frozenset[int]:
         """Ids of the groups the machine still tracks (running, admitting or awaiting their
@@ -729,6 +755,7 @@ class Scheduler:
             "tasks": [[b, _dump_task(t)] for b, t in self._tasks],
             "resubmit": resubmit,
             "complete": list(self._complete),
+            "dropped": [_dump_dropped(d) for d in self._dropped],
             "pending": self._pending, "handover_at": self._handover_at,
             "last_step": self._last_step, "last_batch": self._last_batch,
             "broken": self._broken,
@@ -742,9 +769,9 @@ class Scheduler:
     @classmethod
     def restore(cls, config: SchedulerConfig, snapshot: Mapping) -> Scheduler:
         """A machine in the state `snapshot` describes, under `config`."""
-        if snapshot.get("v") != cls.SNAPSHOT_VERSION:
-            raise ValueError(f"scheduler snapshot version {snapshot.get('v')!r} is not "
-                             f"{cls.SNAPSHOT_VERSION}")
+        if snapshot.get("v") not in cls.READS_SNAPSHOTS:
+            raise ValueError(f"scheduler snapshot version {snapshot.get('v')!r} is not one of "
+                             f"{cls.READS_SNAPSHOTS}")
         s = snapshot
         sched = cls(config, shard=s["shard"])
         sched.epoch, sched.served, sched.updates = s["epoch"], s["served"], s["updates"]
@@ -760,6 +787,7 @@ class Scheduler:
         sched._tasks = deque((b, _load_task(t)) for b, t in s["tasks"])
         sched._resubmit = deque((objs[g], objs[g].samples[i], c) for g, i, c in s["resubmit"])
         sched._complete = deque(s["complete"])
+        sched._dropped = [_load_dropped(d) for d in s.get("dropped", [])]
         sched._pending, sched._handover_at = s["pending"], s["handover_at"]
         sched._last_step, sched._last_batch = s["last_step"], s["last_batch"]
         sched._broken = s["broken"]
@@ -808,12 +836,23 @@ def _load_group(data: list) -> tuple[_Group, bool]:
 
 def _dump_batch(batch: _Batch) -> list:
     return [[_dump_task(t) for t in batch.tasks], list(batch.groups), batch.submitted,
-            list(batch.complete), batch.abandoned]
+            list(batch.complete), [_dump_dropped(d) for d in batch.dropped]]
 
 
 def _load_batch(data: list) -> _Batch:
-    tasks, groups, submitted, complete, abandoned = data
+    tasks, groups, submitted, complete, dropped = data
     batch = _Batch(tuple(_load_task(t) for t in tasks))
     batch.groups, batch.submitted = list(groups), submitted
-    batch.complete, batch.abandoned = list(complete), abandoned
+    batch.complete = list(complete)
+    # a version-1 snapshot kept a count of abandoned groups, not the groups
+    batch.dropped = [_load_dropped(d) for d in dropped] if isinstance(dropped, list) else []
     return batch
+
+
+def _dump_dropped(d: DroppedGroup) -> list:
+    return [d.group, d.batch, _dump_task(d.task), d.cause]
+
+
+def _load_dropped(data: list) -> DroppedGroup:
+    group, batch, task, cause = data
+    return DroppedGroup(group, batch, _load_task(task), cause)

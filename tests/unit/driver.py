@@ -18,6 +18,7 @@ class Driver:
         self.actions: list = []
         self.submitted: dict[SampleKey, Submit] = {}
         self.ended: dict[SampleKey, str] = {}  # key -> "cancel:<reason>" or "finish"
+        self._live: set[SampleKey] = set()  # submitted, not ended
         self.step = -1
         self.updates = 0
 
@@ -29,9 +30,11 @@ class Driver:
             if isinstance(a, Submit):
                 assert a.key not in self.submitted, f"{a.key} submitted twice"
                 self.submitted[a.key] = a
+                self._live.add(a.key)
             elif isinstance(a, Cancel):
                 assert a.key in self.submitted and a.key not in self.ended, a
                 self.ended[a.key] = f"cancel:{a.reason}"
+                self._live.discard(a.key)
         self.actions.extend(acts)
         return acts
 
@@ -52,6 +55,7 @@ class Driver:
         if not any(isinstance(a, Discard) and a.key == key and a.reason == "superseded" for a in acts):
             assert key not in self.ended, f"{key} ended twice"
             self.ended[key] = "finish"
+            self._live.discard(key)
         return acts
 
     def tick(self, dt: float) -> list:
@@ -65,7 +69,7 @@ class Driver:
 
     # queries ------------------------------------------------------------
     def running(self) -> list[SampleKey]:
-        return sorted(k for k in self.submitted if k not in self.ended)
+        return sorted(self._live)
 
     def running_of(self, group: int) -> list[SampleKey]:
         return [k for k in self.running() if k.group == group]

@@ -522,3 +522,90 @@ def test_stream_emits_what_it_has_once_nothing_is_left_to_run():
     g1 = [g for g in d.groups() if g != g0][0]
     (emit,) = of(Emit, d.finish(d.running_of(g1)[0], status=Status.INFRA_ERROR, reward=None))
     assert [x.group for x in emit.groups] == [g0] and emit.record.abandoned == 1
+
+
+# ------------------------------------------------------------- liveness (each once a stall)
+
+
+def _reopened(**config):
+    """Batch 1's first group completes during step 0, then the handover of step 1 comes two
+    updates later: the re-check at consumption finds its rollout stale and re-opens it."""
+    d = Driver(groups=1, ahead=1, max_lag=1, max_attempts=1, **config)
+    d.open()
+    n = config.get("batch_size") or 1
+    d.register(0, n=n), d.register(1, n=n)
+    d.handover(0)
+    early = min(k.group for k in d.running() if d.sched._groups[k.group].batch == 1)
+    d.finish(d.running_of(early)[0], oldest=0)
+    for g in sorted({k.group for k in d.running() if d.sched._groups[k.group].batch == 0}):
+        d.finish_group(g)
+    acts = d.handover(1, updates=2)
+    (stale,) = [a for a in of(Discard, acts) if a.reason == "stale"]
+    (again,) = [s for s in of(Submit, acts) if s.cause == "stale"]
+    assert stale.key.group == again.key.group == early
+    return d, early, again.key
+
+
+def test_a_reopened_group_whose_resubmission_exhausts_is_abandoned_despite_its_cancelled_surplus():
+    d, early, key = _reopened(oversample=1)  # the group's second sample was cut as surplus
+    acts = d.finish(key, status=Status.INFRA_ERROR, reward=None)
+    (ab,) = of(Abandon, acts)
+    (emit,) = of(Emit, acts)
+    assert ab.group == early and emit.step == 1 and emit.groups == ()
+    assert [(x.group, x.cause) for x in emit.dropped] == [(early, "infra_error")]
+    assert emit.record.abandoned == 1
+
+
+def test_a_batch_cut_by_admit_settles_when_its_reopened_group_is_abandoned():
+    d, early, key = _reopened(batch_size=2, admit=1)
+    cut = [x for x in d.sched._batches[1].dropped]
+    assert [x.cause for x in cut] == ["surplus"]  # the other group was cut when `early` completed
+    acts = d.finish(key, status=Status.INFRA_ERROR, reward=None)
+    (emit,) = of(Emit, acts)
+    assert emit.groups == () and emit.record.abandoned == 1
+    assert sorted(x.cause for x in emit.dropped) == ["infra_error", "surplus"]
+
+
+def test_a_reopened_group_completes_again_and_trains():
+    d, early, key = _reopened(batch_size=2, admit=1)
+    (emit,) = of(Emit, d.finish(key))
+    assert [g.group for g in emit.groups] == [early] and emit.groups[0].samples == (key,)
+    assert [x.cause for x in emit.dropped] == ["surplus"] and emit.record.abandoned == 0
+
+
+def test_stream_abandons_a_reopened_group_instead_of_keeping_it_forever():
+    d = _stream(groups=1, oversample=1, inflight_samples=2, max_lag=1, ahead=1, max_attempts=1)
+    d.register(0, n=1)
+    (g,) = d.groups()
+    d.finish(d.running_of(g)[0], oldest=0)  # complete; its sibling is cut as surplus
+    acts = d.handover(0, updates=2)  # stale at consumption: re-opened and resubmitted
+    (again,) = [s for s in of(Submit, acts) if s.cause == "stale"]
+    acts = d.finish(again.key, status=Status.INFRA_ERROR, reward=None)
+    assert [a.group for a in of(Abandon, acts)] == [g]
+    (emit,) = of(Emit, acts)  # nothing left to run: the step ends, reporting the drop
+    assert emit.groups == () and [(x.group, x.cause) for x in emit.dropped] == [(g, "infra_error")]
+    assert d.sched.live_groups() == frozenset()
+
+
+def test_a_completed_rollout_without_a_reward_is_a_failed_attempt_not_a_failed_step():
+    d = _one_group(groups=2, max_attempts=2)
+    a, b = d.running()
+    acts = d.finish(a, status=Status.COMPLETED, reward=None)
+    (sub,) = of(Submit, acts)
+    assert of(Discard, acts) == [Discard(a, "unscored")] and sub.cause == "unscored"
+    d.finish(b)
+    (emit,) = of(Emit, d.finish(sub.key))
+    assert emit.record.resubmitted["unscored"] == 1 and len(emit.groups) == 1
+
+
+def test_every_task_ends_in_exactly_one_emit_trained_or_dropped():
+    d = Driver(groups=1, ahead=0, max_lag=0, max_attempts=1, admit=2, batch_size=3)
+    d.open()
+    d.register(0, n=3)
+    d.handover(0)
+    g0, g1, g2 = d.groups()
+    d.finish_group(g0)
+    d.finish(d.running_of(g1)[0], status=Status.INFRA_ERROR, reward=None)  # abandoned
+    (emit,) = of(Emit, d.finish_group(g2))
+    assert [g.task.id for g in emit.groups] == ["t0.0", "t0.2"]
+    assert [(x.task.id, x.cause) for x in emit.dropped] == [("t0.1", "infra_error")]

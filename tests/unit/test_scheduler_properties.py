@@ -40,15 +40,18 @@ def configs(draw, admission=None):
 class Run:
     """Drives one scheduler with random events and checks the invariants after each."""
 
-    def __init__(self, cfg: dict, data) -> None:
+    def __init__(self, cfg: dict, data, jumps=st.integers(0, 2)) -> None:
         self.cfg, self.data = cfg, data
+        self.jumps = jumps  # updates between two handovers
         self.d = Driver(**cfg)
         self.epoch = 0
         self.d.open(0)
+        self.opened_at = len(self.d.actions)  # the open epoch's actions start here
         self.next_batch = 0
         self.oldest: dict = {}  # key -> the oldest version its result reported
         self.admitted: set = set()
         self.failures: Counter = Counter()
+        self.timeouts: Counter = Counter()  # timeout cancels per (epoch, group, sample)
         self._seen = 0  # actions already checked
 
     def draw(self, strategy):
@@ -56,7 +59,9 @@ class Run:
 
     def step(self) -> None:
         d, sched = self.d, self.d.sched
-        ops = ["register", "tick", "publish"]
+        ops = ["tick", "publish"]
+        if self.next_batch <= d.step + self.cfg["ahead"] + 3:  # a trainer prefetches a few
+            ops.append("register")
         if d.running():
             ops += ["finish"] * 6
         if [k for k, how in d.ended.items() if how.startswith("cancel")]:
@@ -83,7 +88,7 @@ class Run:
         self.d.publish(self.d.sched.served + self.draw(st.integers(0, 1)))
 
     def op_handover(self):
-        self.d.handover(updates=self.d.updates + self.draw(st.integers(0, 2)))
+        self.d.handover(updates=self.d.updates + self.draw(self.jumps))
 
     def op_finish(self):
         d = self.d
@@ -113,12 +118,15 @@ class Run:
     def op_reopen(self):
         self.epoch += 1
         self.d.open(self.epoch)
+        self.opened_at = len(self.d.actions)
         self.d.step, self.next_batch = -1, 0
 
     # invariants ----------------------------------------------------------
     def check(self) -> None:
         d, cfg = self.d, self.cfg
-        for emit in of(Emit, d.actions[self._seen:]):
+        new = d.actions[self._seen:]
+        self._seen = len(d.actions)
+        for emit in of(Emit, new):
             rec = emit.record
             assert rec.lag <= cfg["max_lag"]
             for g in emit.groups:
@@ -133,11 +141,10 @@ class Run:
                     self.admitted.add(ident)
                     assert d.ended.get(k) == "finish"
                     assert rec.updates - self.oldest[k] <= cfg["max_lag"]
-        self._seen = len(d.actions)
-        timeouts = Counter((a.key.epoch, a.key.group, a.key.sample)
-                           for a in of(Cancel, d.actions) if a.reason == "timeout")
-        for ident in set(self.failures) | set(timeouts):
-            assert self.failures[ident] + timeouts[ident] <= cfg["max_attempts"]
+        self.timeouts.update((a.key.epoch, a.key.group, a.key.sample)
+                             for a in of(Cancel, new) if a.reason == "timeout")
+        for ident in set(self.failures) | set(self.timeouts):
+            assert self.failures[ident] + self.timeouts[ident] <= cfg["max_attempts"]
         sched = d.sched
         assert sched.in_flight == len(d.running())
         if cfg["admission"] == "stream" and sched.target:

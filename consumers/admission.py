@@ -68,7 +68,7 @@ import redis
 
 from consumers import journal, trimming
 from pipeline import wire
-from pipeline.config import AdmissionConfig, load
+from pipeline.config import AdmissionConfig, load, scheduler_differences
 from pipeline.errors import guarded
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
 from pipeline.metrics import Metrics, serving
@@ -107,6 +107,10 @@ from pipeline.session_metrics import session_metrics
 from pipeline.sessions import Status
 
 log = logging.getLogger(__name__)
+
+
+class ConfigMismatch(ProtocolError):
+    """The trainer opened an epoch under another scheduler config than this consumer's."""
 
 READ_COUNT = 256
 """Entries read per input stream per iteration (one transaction)."""
@@ -326,9 +330,12 @@ class Admission:
             return
         try:
             msg = wire.from_fields(fields, self._expect[stream], max_bytes=self.config.max_message_bytes)
-            if isinstance(msg, wire.Result):  # this run's limits: vocabulary, row width
-                wire.check_result(msg, vocab=self.config.vocab, width=self.config.scheduler.width)
+            payload = fields[wire.FIELD]
+            if isinstance(msg, wire.Result):  # this run's limits: vocabulary
+                wire.check_result(msg, vocab=self.config.vocab)
             event = self._event(msg)
+            if isinstance(event, Finish):  # a chain longer than a packed row is cut to it
+                msg, payload, event = self._fit_width(txn, msg, payload, event)
         except wire.SchemaError as exc:
             self._dead_letter(txn, stream, entry_id, fields, str(exc))
             if stream == self.keys.results(self.shard):
@@ -339,7 +346,7 @@ class Admission:
             self.stats["dropped"] += 1
             log.info("shard %d: dropped %s %s: %s", self.shard, msg.KIND, text(entry_id), event)
         else:
-            held = (fields[wire.FIELD], msg.rollout()) if isinstance(msg, wire.Result) else None
+            held = (payload, msg.rollout()) if isinstance(msg, wire.Result) else None
             self._apply(txn, event, held)
         if isinstance(msg, wire.Result):
             duration = _duration(msg.timings)
@@ -357,6 +364,7 @@ class Admission:
             key = SampleKey(msg.epoch, msg.group, msg.sample, msg.attempt)
             return Finish(key, msg.status, msg.reward, msg.oldest_version, msg.error)
         if isinstance(msg, wire.Open):
+            self._check_run_config(msg)
             return Open(msg.epoch)
         if msg.epoch < self.sched.epoch:
             return f"epoch {msg.epoch} ended"
@@ -367,6 +375,33 @@ class Admission:
         if msg.step == self.sched.pending_step:
             return f"step {msg.step} is already pending"
         return Handover(msg.step, msg.updates, msg.published)
+
+    def _check_run_config(self, msg: wire.Open) -> None:
+        """The trainer's scheduler config is the run's: an epoch opened under another one
+        than this consumer's is refused (ConfigMismatch), naming the differing fields."""
+        if msg.scheduler is None:  # a writer that predates the field
+            return
+        differ = scheduler_differences(msg.scheduler, self.config.scheduler)
+        if differ:
+            raise ConfigMismatch(
+                f"epoch {msg.epoch} refused: the trainer's scheduler config differs from admission "
+                f"shard {self.shard}'s (trainer's != admission's): {'; '.join(differ)}; give both "
+                "the same scheduler section")
+
+    def _fit_width(self, txn: _Txn, result: wire.Result, payload: bytes,
+                   event: Finish) -> tuple[wire.Result, bytes, Finish]:
+        """A result with a chain longer than a packed row, cut to the row (`wire.fit_width`):
+        it trains as a truncation under the run's policy, and its staleness stays the whole
+        rollout's. The cut result is what is held."""
+        cut = wire.fit_width(result, self.config.scheduler.width)
+        if cut is None:
+            return result, payload, event
+        self.stats["overlong"] += 1
+        log.info("shard %d: %s's chains (%s tokens) cut to the row width %d", self.shard, event.key,
+                 "/".join(str(len(c)) for c in result.chains), self.config.scheduler.width)
+        txn.observe.append(lambda m: m.rollouts_overlong.labels(str(self.shard)).inc())
+        encoded = wire.encode(cut, max_bytes=self.config.max_message_bytes)
+        return cut, encoded, replace(event, status=cut.status)
 
     def _apply(self, txn: _Txn, event: Event,
                payload: tuple[bytes, Rollout] | None = None) -> list[Action]:
@@ -473,13 +508,14 @@ class Admission:
             packed = pack(groups, rows=cfg.rows, width=cfg.width, estimator=cfg.estimator,
                           truncation=cfg.truncation, support_capacity=cfg.support_capacity)
             metrics = _finite(session_metrics(groups, packed, updates=rec.updates))
+            extra = _extra(emit, packed, groups)
             ready = wire.to_fields(wire.Ready(self.shard, self.sched.epoch, emit.step, rec.updates,
-                                              _arrays(packed), _record_dict(emit, packed, metrics)),
+                                              _arrays(packed), _record_dict(emit, packed, metrics, extra)),
                                    max_bytes=self.config.max_message_bytes)
             record = wire.to_fields(wire.Record(
                 self.shard, self.sched.epoch, emit.step, rec.updates, rec.version, rec.lag,
                 rec.groups, dict(rec.resubmitted), rec.cancelled, rec.abandoned, packed.cut,
-                rec.waited, metrics))
+                rec.waited, metrics, **extra))
         except ValueError as exc:  # a rollout that cannot train as given; SchemaError included
             self._ready_error(txn, emit.step, f"step {emit.step} cannot be emitted: {exc}\n"
                               + traceback.format_exc())
@@ -488,15 +524,17 @@ class Admission:
             txn.xadd(self.keys.records(self.shard), record)
             self.stats["emitted"] += 1
             final = replace(rec, cut=packed.cut, metrics=metrics)
-            txn.observe.append(lambda m: m.observe_record(final, shard=self.shard))
+            txn.observe.append(lambda m: m.observe_record(final, shard=self.shard, **extra))
         self._unhold(txn, keys)
         live = self.sched.live_groups()
         for epoch, gid in list(self._held):
             if epoch != self.sched.epoch or gid not in live:
                 self._unhold_group(txn, epoch, gid)
 
-    def _ready_error(self, txn: _Txn, step: int, error: str) -> None:
-        ready = wire.Ready(self.shard, self.sched.epoch, step, self.sched.updates, {}, {"error": error})
+    def _ready_error(self, txn: _Txn, step: int, error: str, epoch: int | None = None) -> None:
+        """Fail `step` of `epoch` (default: the open one): the trainer waiting on it raises."""
+        epoch = self.sched.epoch if epoch is None else epoch
+        ready = wire.Ready(self.shard, epoch, step, self.sched.updates, {}, {"error": error})
         txn.xadd(self.keys.ready(self.shard), wire.to_fields(ready))
 
     # ------------------------------------------------------------------ held payloads
@@ -570,8 +608,11 @@ class Admission:
         txn.ack(stream, self.group, entry_id)
         self._dead_letter(txn, stream, entry_id, fields, f"protocol: {exc}")
         msg = wire.from_fields(fields)
-        if isinstance(msg, wire.Handover):
-            self._ready_error(txn, msg.step, f"handover of step {msg.step} refused: {exc}")
+        if isinstance(msg, wire.Handover):  # in its own epoch, which the trainer waits in
+            self._ready_error(txn, msg.step, f"handover of step {msg.step} refused: {exc}", msg.epoch)
+        elif isinstance(exc, ConfigMismatch):  # the trainer's first step of the epoch fails
+            log.error("shard %d: %s", self.shard, exc)
+            self._ready_error(txn, 0, str(exc), msg.epoch)
         self._commit(txn)
 
     # ------------------------------------------------------------------ leases
@@ -733,15 +774,31 @@ def _arrays(packed: PackedBatch) -> dict[str, np.ndarray]:
     return out
 
 
-def _record_dict(emit: Emit, packed: PackedBatch, metrics: dict[str, float]) -> dict:
+def _extra(emit: Emit, packed: PackedBatch, groups: Sequence[Group]) -> dict[str, int]:
+    """What a step's record adds to the SchedulerRecord: groups refused at packing (they
+    can never fit the rows), groups cut as surplus by `admit`, admitted rollouts whose
+    chains were cut to the row width."""
+    return {"refused": len(packed.refused),
+            "surplus": sum(d.cause == "surplus" for d in emit.dropped),
+            "overlong": sum(r.truncation == wire.OVERLONG for g in groups for r in g.rollouts)}
+
+
+def _record_dict(emit: Emit, packed: PackedBatch, metrics: dict[str, float],
+                 extra: Mapping[str, int]) -> dict:
+    """The Ready's record: the SchedulerRecord's fields, `extra`, and which tasks ended how:
+    `admitted` [group, batch, task id] (trained unless cut or refused at packing), `packed`
+    group ids, `refused_groups` [group, reason], `dropped` [group, batch, task id, cause]
+    (abandoned after max_attempts with the last failure's cause, or `surplus`)."""
     rec = emit.record
     return {
         "updates": rec.updates, "version": rec.version, "lag": rec.lag, "groups": rec.groups,
         "resubmitted": dict(rec.resubmitted), "cancelled": rec.cancelled,
-        "abandoned": rec.abandoned, "cut": packed.cut, "refused": len(packed.refused),
+        "abandoned": rec.abandoned, "cut": packed.cut, **extra,
         "waited": rec.waited, "metrics": metrics,
         "admitted": [[g.group, g.batch, g.task.id] for g in emit.groups],
         "packed": list(packed.groups),
+        "refused_groups": [[r.group, r.reason] for r in packed.refused],
+        "dropped": [[d.group, d.batch, d.task.id, d.cause] for d in emit.dropped],
     }
 
 

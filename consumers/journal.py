@@ -26,7 +26,7 @@ import msgpack
 import redis
 
 from pipeline.config import SchedulerConfig
-from pipeline.keys import Keys
+from pipeline.keys import STATE_CONFIG, Keys
 from pipeline.scheduler import (
     Close,
     Event,
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FIELD = b"e"
 SNAPSHOT = b"snapshot"
-CONFIG = b"config"
+CONFIG = STATE_CONFIG
 _PAGE = 1000
 
 

@@ -79,6 +79,14 @@ class Chain:
         """k of the support array, 0 without support."""
         return 0 if self.support is None else int(self.support.shape[1])
 
+    def head(self, n: int) -> Chain:
+        """The chain's first `n` tokens (itself when it has no more)."""
+        if len(self) <= n:
+            return self
+        support = None if self.support is None else self.support[:n]
+        return Chain(self.tokens[:n], self.loss_mask[:n], self.logprobs[:n], self.versions[:n],
+                     support, self.calls, self.call_tokens)
+
 
 class _ChainBuilder:
     """Accumulates the pieces of one chain; concatenates once at the end (no quadratic copy)."""

@@ -81,6 +81,18 @@ class SchedulerConfig(_Model):
         return self
 
 
+def scheduler_differences(run: Any, ours: SchedulerConfig) -> list[str]:
+    """The fields where the run's scheduler config (`run`: the trainer's, as a JSON-native
+    map) differs from `ours` (an admission consumer's), as `name: run's value != ours`;
+    a `run` that is not a valid SchedulerConfig is one difference naming why."""
+    try:
+        theirs = SchedulerConfig.model_validate(run).model_dump(mode="json")
+    except ValidationError as exc:
+        return [f"the trainer's scheduler config is invalid here: {describe(exc, SchedulerConfig)}"]
+    mine = ours.model_dump(mode="json")
+    return [f"{name}: {theirs[name]!r} != {mine[name]!r}" for name in mine if theirs[name] != mine[name]]
+
+
 class RedisConfig(_Model):
     """Where the pipeline's streams live. Credentials come from the environment or a file,
     never from the config itself: `password_env` names a variable, `password_file` a file."""

@@ -18,6 +18,11 @@ TRAINER_GROUP = "trainer"
 """Consumer group of the trainer ranks on `ready:{shard}`."""
 
 
+STATE_CONFIG = b"config"
+"""Field of `Keys.state` holding the scheduler config the shard's state was built under
+(JSON, sorted keys): the run's, which the trainer checks its own against at start."""
+
+
 def admission_group(shard: int) -> str:
     """The group shard `shard`'s admission consumer reads its inputs through: the same name on
     `tasks:{shard}`, `results:{shard}` and the shared `weights` stream (one group per shard
@@ -78,6 +83,16 @@ class Keys:
         """Hash: the admission consumer's persisted scheduler state (`snapshot`: the msgpack
         scheduler snapshot; `config`: the scheduler config it was built under)."""
         return self._sharded("state", shard)
+
+    def fence(self, shard: int) -> str:
+        """Counter: the fencing token of shard `shard`'s admission consumer. Each consumer that
+        takes the shard over increments it; a transaction commits only while the token is
+        still the one its consumer took (`consumers.fence`)."""
+        return self._sharded("fence", shard)
+
+    def lease(self, shard: int) -> str:
+        """String with a TTL: who holds shard `shard`'s admission (renewed while it runs)."""
+        return self._sharded("lease", shard)
 
     def epoch(self, shard: int) -> str:
         """Counter: the last epoch the trainer of `shard` opened (epochs only grow)."""

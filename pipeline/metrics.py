@@ -173,6 +173,16 @@ class Metrics:
         self.groups_cut = counter(
             "groups_cut_total", "Complete groups left out because their chains did not fit "
             "the step's packed rows.", ("shard",))
+        self.groups_refused = counter(
+            "groups_refused_total", "Complete groups that can never be packed (more tokens "
+            "than rows x width), left out of their step.", ("shard",))
+        self.groups_surplus = counter(
+            "groups_surplus_total", "Groups cut untrained when their batch reached `admit` "
+            "(batch admission).", ("shard",))
+        self.rollouts_overlong = counter(
+            "rollouts_overlong_total", "Results with a chain longer than a packed row, cut "
+            "to the row width and admitted as TRUNCATED (they train under the truncation "
+            "policy).", ("shard",))
         self.admitted_lag = histogram(
             "admitted_lag_updates", "Lag of each step's admitted rollouts: trainer updates "
             "minus the weight version of the oldest admitted call (the step's worst case).",
@@ -305,10 +315,11 @@ class Metrics:
     def set_in_flight(self, shard: int, samples: int) -> None:
         self.samples_in_flight.labels(str(shard)).set(samples)
 
-    def observe_record(self, record: SchedulerRecord, *, shard: int) -> None:
+    def observe_record(self, record: SchedulerRecord, *, shard: int, refused: int = 0,
+                       surplus: int = 0, overlong: int = 0) -> None:
         """The scheduler's side of one packed step of `shard` (the admission consumer).
 
-        Counters: admitted/abandoned/cut groups, resubmissions by cause. Histogram: the
+        Counters: admitted/abandoned/cut/refused/surplus groups, resubmissions by cause. Histogram: the
         step's lag. Gauges: every finite key of `record.metrics` in `rollstream_step_metric`.
         `record.cancelled` is not re-counted: the cancels are counted with their reasons as
         they happen (`observe_actions`). The trainer's side of the same step (steps,
@@ -318,6 +329,8 @@ class Metrics:
         self.groups_admitted.labels(s).inc(record.groups)
         self.groups_abandoned.labels(s).inc(record.abandoned)
         self.groups_cut.labels(s).inc(record.cut)
+        self.groups_refused.labels(s).inc(refused)
+        self.groups_surplus.labels(s).inc(surplus)
         for cause, n in record.resubmitted.items():
             if n:
                 self.samples_resubmitted.labels(s, cause).inc(n)

@@ -364,10 +364,14 @@ class Scheduler:
         if admit is not None and admit > len(ev.tasks):
             raise ProtocolError(f"admit={admit} exceeds batch {ev.batch}'s {len(ev.tasks)} tasks")
         if self.config.admission == "stream":
-            if self.target == 0:
-                self.target = self._stream_target(len(ev.tasks))
-                self.credits = self.target
-                self._admit_default = self.config.admit or self.config.batch_size or len(ev.tasks)
+            # without batch_size, the largest batch registered so far sizes the target and
+            # the step: a resumed epoch may start with a short batch of carried-over tasks
+            target = self._stream_target(len(ev.tasks))
+            if target > self.target:
+                self.credits += target - self.target
+                self.target = target
+            self._admit_default = max(self._admit_default,
+                                      self.config.admit or self.config.batch_size or len(ev.tasks))
             self._tasks.extend((ev.batch, t) for t in ev.tasks)
             return
         self._batches[ev.batch] = _Batch(ev.tasks)

@@ -361,6 +361,9 @@ class Message:
     KIND: ClassVar[str]
     SPEC: ClassVar[dict[str, Callable[[Any, str], Any]]]
     WIRE: ClassVar[dict[str, Callable[[Any], Any]]] = {}  # fields with their own wire form
+    # fields added within a schema version: a message from a writer that predates them may
+    # leave them out, and they decode to their default; every other field is required
+    ADDED: ClassVar[frozenset[str]] = frozenset()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Message):
@@ -400,10 +403,15 @@ _SHARD = {"shard": _int, "epoch": _int}
 _SAMPLE = {**_SHARD, "group": _int, "sample": _int, "attempt": _int}
 
 
-@_message("open", **_SHARD)
+@_message("open", **_SHARD, scheduler=_opt(_map(_native)))
 @dataclass(frozen=True, eq=False)
 class Open(_ShardMessage):
-    """The trainer (re)opened its task stream: epoch `epoch` starts."""
+    """The trainer (re)opened its task stream: epoch `epoch` starts. `scheduler` is the
+    trainer's scheduler config (`SchedulerConfig`, JSON-native): the run's, which the
+    admission consumer must equal before it applies the epoch."""
+    scheduler: dict[str, Any] | None = None
+
+    ADDED: ClassVar[frozenset[str]] = frozenset({"scheduler"})
 
 
 @_message("registration", **_SHARD, batch=_int, tasks=_seq(_task))
@@ -507,10 +515,12 @@ class Ready(_ShardMessage):
 
 @_message("record", **_SHARD, step=_int, updates=_int, version=_int, lag=_int, groups=_int,
           resubmitted=_map(_int), cancelled=_int, abandoned=_int, cut=_int,
-          waited=_nonneg_float, metrics=_map(_float))
+          waited=_nonneg_float, metrics=_map(_float), refused=_int, surplus=_int, overlong=_int)
 @dataclass(frozen=True, eq=False)
 class Record(_ShardMessage):
-    """The SchedulerRecord of one trainer call."""
+    """The SchedulerRecord of one trainer call, with what packing and admission add:
+    `refused` groups that can never fit the step's rows, `surplus` groups cut when their
+    batch reached `admit`, `overlong` admitted rollouts cut to the row width."""
     step: int
     updates: int
     version: int
@@ -522,6 +532,11 @@ class Record(_ShardMessage):
     cut: int
     waited: float
     metrics: dict[str, float] = field(default_factory=dict)
+    refused: int = 0
+    surplus: int = 0
+    overlong: int = 0
+
+    ADDED: ClassVar[frozenset[str]] = frozenset({"refused", "surplus", "overlong"})
 
 
 # ---------------------------------------------------------------- codec
@@ -584,9 +599,10 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
             raise SchemaError(str(key), "unknown field")
     values = {}
     for name, check in cls.SPEC.items():
-        if name not in d:
+        if name in d:
+            values[name] = check(d[name], name)
+        elif name not in cls.ADDED:
             raise SchemaError(name, "missing")
-        values[name] = check(d[name], name)
     return cls(**values)
 
 
@@ -663,14 +679,12 @@ def dead_letter_fields(stream: str, entry_id: bytes | str, reason: str, raw: Map
             b"m": m[:DEAD_LETTER_BYTES]}
 
 
-def check_result(result: Result, *, vocab: int | None = None, width: int | None = None) -> None:
+def check_result(result: Result, *, vocab: int | None = None) -> None:
     """Refuse, with a SchemaError naming the field, a result that decodes but cannot train in
-    this run: a token id at or past `vocab` (the model's vocabulary size), a chain longer than
-    `width` (a packed row; packing could never place its group), or a negative duration
-    (`timings.finished` before `timings.started`)."""
-    for i, chain in enumerate(result.chains):
-        if width is not None and len(chain) > width:
-            raise SchemaError("chains.lengths", f"chain {i} has {len(chain)} tokens, more than width {width}")
+    this run: a token id at or past `vocab` (the model's vocabulary size), or a negative
+    duration (`timings.finished` before `timings.started`). A chain longer than a packed row
+    is not refused: `fit_width` cuts it."""
+    for chain in result.chains:
         if vocab is None:
             continue
         if len(chain) and int(chain.tokens.max()) >= vocab:
@@ -683,6 +697,25 @@ def check_result(result: Result, *, vocab: int | None = None, width: int | None 
     if started is not None and finished is not None and finished < started:
         raise SchemaError("timings.finished", f"{finished} is before timings.started {started}: "
                           "a negative duration")
+
+
+OVERLONG = "width"
+"""The `truncation` cause of a rollout whose chains were cut to the packed row width."""
+
+
+def fit_width(result: Result, width: int) -> Result | None:
+    """`result` with every chain longer than `width` (a packed row) cut to its first `width`
+    tokens, as a TRUNCATED rollout with truncation cause `OVERLONG`, so it trains under the
+    run's truncation policy like any other truncation (masked, scored on its reward, or
+    zero); None when every chain fits. A COMPLETED or AGENT_ERROR result keeps its reward;
+    failures (INFRA_ERROR, CANCELLED) are returned cut but keep their status."""
+    if all(len(chain) <= width for chain in result.chains):
+        return None
+    chains = tuple(chain.head(width) for chain in result.chains)
+    trains = result.status in (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
+    status = Status.TRUNCATED if trains else result.status
+    return dataclasses.replace(result, chains=chains, status=status,
+                               truncation=OVERLONG if trains else result.truncation)
 
 
 def named_attempt(fields: Mapping) -> tuple[int, int, int, int, int] | None:

@@ -21,6 +21,7 @@ checkpoint in a new epoch. Given the process's `stop` event, a wait for Redis en
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -29,7 +30,9 @@ from collections.abc import Sequence
 import redis
 
 from pipeline import wire
-from pipeline.keys import TRAINER_GROUP, Keys
+from pipeline.config import SchedulerConfig, build, scheduler_differences
+from pipeline.errors import ConfigError
+from pipeline.keys import STATE_CONFIG, TRAINER_GROUP, Keys
 from pipeline.redis_io import append_once, ensure_group, ride_out, text
 from pipeline.sessions import Task
 
@@ -67,8 +70,26 @@ class TaskWriter:
 
     # ------------------------------------------------------------------ writes
 
-    def open(self, epoch: int) -> bytes:
-        return self._append(wire.Open(self.shard, epoch))
+    def open(self, epoch: int, scheduler: SchedulerConfig | None = None) -> bytes:
+        """Open `epoch`, under the run's scheduler config when given: an admission consumer
+        whose own config differs refuses the epoch and fails its first step."""
+        run = None if scheduler is None else scheduler.model_dump(mode="json")
+        return self._append(wire.Open(self.shard, epoch, run))
+
+    def check_run_config(self, scheduler: SchedulerConfig) -> None:
+        """Refuse (ConfigError, naming the differing fields) to start under another scheduler
+        config than the one this shard's admission consumer recorded, if it has started."""
+        have = self.ride(lambda: self.r.hget(self.keys.state(self.shard), STATE_CONFIG),
+                         "reading the admission's config")
+        if have is None:
+            return
+        differ = scheduler_differences(scheduler.model_dump(mode="json"),
+                                       build(SchedulerConfig, json.loads(have)))
+        if differ:
+            raise ConfigError(
+                f"scheduler: this trainer's scheduler config differs from the one admission shard "
+                f"{self.shard} runs under ({self.keys.state(self.shard)}; trainer's != admission's): "
+                f"{'; '.join(differ)}; give both the same scheduler section")
 
     def register(self, epoch: int, batch: int, tasks: Sequence[Task]) -> bytes:
         return self._append(wire.Registration(self.shard, epoch, batch, tuple(tasks)))

@@ -9,6 +9,11 @@ shards of every rank; `engine.save_checkpoint` is collective) whose client state
 `Position` under `rollstream`: `step`, the steps trained, which is also the data position
 (the trainer's task stream is a pure function of the step: `trainer.main.batches`);
 `updates`, the trainer's version counter; `epoch`, the scheduler epoch it was taken in.
+Each rank also writes its task stream's position beside it (`rollstream-rank{R}.msgpack`,
+msgpack of `RolloutScheduler.position()`): the tasks outstanding before the data position
+and those already ended after it. In batch admission both are empty (step i trains batch
+i); in stream admission a step trains groups of any registered batch, and this is what
+lets a resumed run train every task exactly once.
 The newest complete tag is named in `latest`, written by rank 0 after every rank saved
 (atomically: a temporary file renamed over it, so a process killed mid-checkpoint leaves
 the previous one named, never a torn name). A resumed run opens a new epoch (epochs
@@ -22,10 +27,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,20 @@ class Position:
     step: int  # steps trained; the next step reads batch `step` of the task stream
     updates: int  # the trainer's version counter (`RolloutScheduler.updates`)
     epoch: int  # the scheduler epoch the checkpoint was taken in
+    # this rank's task stream beside the data position (`trainer.tasks.Resume.to_data`);
+    # None: a checkpoint from before it was kept
+    data: dict[str, Any] | None = field(default=None, compare=False)
+
+    def client_state(self) -> dict[str, int]:
+        return {"step": self.step, "updates": self.updates, "epoch": self.epoch}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _data_file(directory: str | Path, name: str, rank: int) -> Path:
+    return Path(directory) / name / f"rollstream-rank{rank}.msgpack"
 
 
 def tag(step: int) -> str:
@@ -47,8 +67,13 @@ def tag(step: int) -> str:
 def save(engine: Any, directory: str | Path, position: Position, *, keep: int = 2) -> str:
     """Write a checkpoint (every rank calls this) and drop all but the newest `keep`."""
     name = tag(position.step)
-    engine.save_checkpoint(str(directory), tag=name, client_state={"rollstream": asdict(position)},
+    engine.save_checkpoint(str(directory), tag=name, client_state={"rollstream": position.client_state()},
                            save_latest=False)
+    if position.data is not None:
+        path = _data_file(directory, name, _rank())
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_bytes(msgpack.packb(position.data, use_bin_type=True))
+        os.replace(partial, path)
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -78,5 +103,9 @@ def load(engine: Any, directory: str | Path) -> Position | None:
         position = Position(**(state or {})["rollstream"])
     except (KeyError, TypeError) as exc:
         raise RuntimeError(f"checkpoint {path} holds no rollstream position: {exc}") from exc
+    data_file = _data_file(directory, name, _rank())
+    if data_file.is_file():
+        data = msgpack.unpackb(data_file.read_bytes(), raw=False, strict_map_key=False)
+        position = Position(position.step, position.updates, position.epoch, data)
     log.info("resumed from %s: %s", path, position)
     return position

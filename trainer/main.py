@@ -8,7 +8,8 @@ The file is a `trainer.config.RunConfig` (redis, metrics_addr, trainer, schedule
 objective, data, publisher, checkpoint, steps, share, step_timeout_s, max_message_bytes,
 record). The run's
 admission consumers (one per shard: `rollstream admission --shard N`, with the same
-`scheduler` section) and rollout consumers (`rollstream consumer`, whose source runs the
+`scheduler` section: the trainer's is the run's, and an admission under another one is
+refused at start naming the differing fields) and rollout consumers (`rollstream consumer`, whose source runs the
 same `data.env`) run as their own processes.
 
 Each process: reaches Redis and checks its credentials, and checks the engines its
@@ -17,7 +18,9 @@ DeepSpeed); builds its DeepSpeed engine (torch.distributed from the launcher's
 environment; `trainer.engine`); joins the `Pool` when the world has more than one rank
 (`shard = rank // share`; alone, the shard is `ROLLSTREAM_SHARD`, default 0); resumes from
 the newest checkpoint under `checkpoint.dir` when there is one (`trainer.checkpoint`: the
-model and optimizer, the data position, the version counter); then trains `steps` steps in
+model and optimizer, the data position, the version counter, and the task stream's
+`position()`: in stream admission the tasks outstanding before the data position and
+those already trained after it); then trains `steps` steps in
 all with `trainer.loop.train` over its task stream (`batches`: a pure function of the
 step, so the checkpointed step is the data position). It checkpoints every
 `checkpoint.every` steps, at the end, and when it is asked to stop: SIGTERM or SIGINT on
@@ -29,8 +32,10 @@ beyond the model's vocabulary, or positions beyond its context, stop it with a
 `metrics_addr` (`+rank` adds the launcher's `RANK` to its port). With `record` set, each
 step appends one JSON line: `StepRecord.row()`, plus `rank`, `shard`, `epoch`, `run` (this
 process's id), `pushed` (the weight version pushed before the step, or null), `publisher`
-(whether this rank publishes), `tasks` (the task ids of the groups its rows hold) and
-`cut_tasks` (admitted, but cut at packing), which is what an audit of trained tasks reads.
+(whether this rank publishes), `tasks` (the task ids of the groups its rows hold),
+`cut_tasks` (admitted, but cut or refused at packing), `dropped_tasks` ([task id, cause]:
+abandoned after max_attempts, or surplus), `refused`, `surplus` and `overlong`: what an
+audit of trained tasks reads.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
     from trainer.objective import GRPOObjective
     from trainer.pool import Pool
     from trainer.rollout_scheduler import RolloutScheduler
+    from trainer.tasks import Resume
 
     stop = stop if stop is not None else threading.Event()
     env = data_env(config.data)  # before the engine: a bad data section fails at once
@@ -140,10 +146,9 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
             log.warning("the checkpoint is at step %d of %d: nothing left to train", start, config.steps)
             return start
 
-        # the admission consumers apply the scheduling rules (their own `scheduler` section);
-        # the trainer's side needs the ones it acts on: ahead, sync_every, width and rows
-        rules = config.scheduler.model_dump(exclude={"batch_size", "inflight_samples", "backfill",
-                                                     "timeout_s"})
+        # the trainer's scheduler section is the run's: the admission consumers must run
+        # under the same one (checked at start, and on each epoch the trainer opens)
+        rules = config.scheduler.model_dump(exclude={"timeout_s"})
         sched = RolloutScheduler(
             objective, None, publisher, redis=config.redis, shard=shard, pool=pool,
             tasks=env.tasks, step_timeout_s=config.step_timeout_s,
@@ -151,7 +156,8 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
             vocab=vocab_size(engine.module), context=context_size(engine.module), stop=stop, **rules)
         stack.callback(sched.close)
         if position is not None:
-            updates = sched.resume(position.updates)
+            data = Resume.from_data(position.data) if position.data is not None else None
+            updates = sched.resume(position.updates, data)
             log.info("rank %d resumes at step %d, version %d", rank, start, updates)
         record = _record_file(config, rank, stack)
 
@@ -160,7 +166,8 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
         def save(step: int) -> None:
             if config.checkpoint.dir:
                 checkpoint.save(engine, config.checkpoint.dir,
-                                checkpoint.Position(step=step, updates=sched.updates, epoch=sched.epoch),
+                                checkpoint.Position(step=step, updates=sched.updates, epoch=sched.epoch,
+                                                    data=sched.position().to_data()),
                                 keep=config.checkpoint.keep)
 
         def step_done(done: StepRecord) -> None:
@@ -169,7 +176,8 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
             row = {**done.row(), "rank": rank, "shard": shard, "epoch": sched.epoch, "run": run_id,
                    "pushed": sched.pushed, "publisher": pool is None or pool.publishes,
                    "tasks": list(sched.trained),
-                   "cut_tasks": sorted(set(t for _, _, t in sched.admitted) - set(sched.trained))}
+                   "cut_tasks": sorted(set(t for _, _, t in sched.admitted) - set(sched.trained)),
+                   "dropped_tasks": [list(d) for d in sched.dropped], **sched.extra}
             if record is not None:
                 record.write(json.dumps(row) + "\n")
                 record.flush()

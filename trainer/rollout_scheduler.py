@@ -53,7 +53,7 @@ from producers.tasks import TaskWriter
 from trainer.engine import whole_weights
 from trainer.objective import Rows
 from trainer.pool import Pool
-from trainer.tasks import Batch, TaskStream, task_ids
+from trainer.tasks import Batch, Resume, TaskStream, task_ids
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class RolloutScheduler:
         support_capacity: int | None = None,
         log: Callable[[SchedulerRecord], None] | None = None,
         admission: str = "batch",
+        batch_size: int | None = None,
+        inflight_samples: int | None = None,
+        backfill: str = "sample",
         redis: str | RedisConfig | None = None,
         shard: int = 0,
         namespace: str | None = None,
@@ -131,7 +134,8 @@ class RolloutScheduler:
             groups=groups, oversample=oversample, admit=admit, max_lag=max_lag, ahead=ahead,
             sync_every=sync_every, max_attempts=max_attempts, timeout_s=timeout,
             estimator=estimator, truncation=truncation, support_capacity=support_capacity,
-            admission=admission, width=width, rows=rows))
+            admission=admission, width=width, rows=rows, batch_size=batch_size,
+            inflight_samples=inflight_samples, backfill=backfill))
         if redis is not None and source is not None:
             logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
         if redis is None and source is None:
@@ -165,6 +169,10 @@ class RolloutScheduler:
         self.record: SchedulerRecord | None = None  # the last call's record
         self.admitted: list[tuple[int, int, str]] = []  # the last call's (group, batch, task id)
         self.trained: list[str] = []  # the task ids of the admitted groups its rows hold (not cut)
+        self.dropped: list[tuple[str, str]] = []  # the last call's (task id, cause) ended untrained
+        self.extra: dict[str, int] = {}  # the last call's refused, surplus and overlong counts
+        self._stream: TaskStream | None = None
+        self._resume: Resume | None = None
         self.pushed: int | None = None  # the version the last call pushed (agreed in a pool)
 
     # ------------------------------------------------------------------ set-up
@@ -189,6 +197,9 @@ class RolloutScheduler:
         limit = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
         self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s,
                                  stop=self.stop, **limit)
+        # the trainer's scheduler config is the run's: an admission already running under
+        # another one is refused now (one that starts later refuses the trainer's epoch)
+        self.writer.check_run_config(self.config)
         if in_process:
             from consumers.admission import Admission
             from consumers.rollout import RolloutConsumer
@@ -227,8 +238,15 @@ class RolloutScheduler:
     def tasks(self, dataset: Iterable[Batch]) -> TaskStream:
         """`dataset` as a stream that registers each task batch ahead of its step. Iterating
         it again (a resume) opens a new epoch, which cancels what the old one left running."""
-        return TaskStream(dataset, ahead=self.config.ahead, tasks=self._tasks,
-                          open=self._open, register=self._register)
+        self._stream = TaskStream(dataset, ahead=self.config.ahead, tasks=self._tasks,
+                                  open=self._open, register=self._register, resume=self._resume)
+        return self._stream
+
+    def position(self) -> Resume:
+        """What a checkpoint keeps of the task stream beside the data position (the steps
+        trained): the tasks still outstanding before it and those already ended after it, so
+        that a resume in either admission mode neither repeats nor loses a task."""
+        return self._stream.position() if self._stream is not None else Resume()
 
     def _open(self) -> int:
         self.step = -1
@@ -239,7 +257,7 @@ class RolloutScheduler:
         # (an INCR retried after a lost reply skips an epoch: harmless, epochs need only grow)
         self.epoch = int(self.writer.ride(lambda: self.r.incr(self.keys.epoch(self.shard)),
                                            "opening an epoch")) - 1
-        self.writer.open(self.epoch)
+        self.writer.open(self.epoch, self.config)
         return self.epoch
 
     def _register(self, epoch: int, index: int, tasks: Sequence[Task]) -> None:
@@ -248,12 +266,15 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ resume
 
-    def resume(self, updates: int) -> int:
-        """Continue from a checkpoint holding `updates` trainer updates: the next call pushes
-        the weights the trainer holds (the engines serve an older or a later version: the
-        initial weights, or versions published after the checkpoint was taken). Versions
-        only grow, so when the weights stream already announced `updates` or beyond, the
-        counter moves past the last announced version. Returns the new `updates`."""
+    def resume(self, updates: int, data: Resume | None = None) -> int:
+        """Continue from a checkpoint holding `updates` trainer updates and the task stream's
+        `position()` (`data`; the dataset restarts at the checkpoint's data position): the
+        next call pushes the weights the trainer holds (the engines serve an older or a later
+        version: the initial weights, or versions published after the checkpoint was taken).
+        Versions only grow, so when the weights stream already announced `updates` or
+        beyond, the counter moves past the last announced version. Returns the new
+        `updates`."""
+        self._resume = data
         last = self.writer.last_weights_version()
         self.updates = updates if last is None or last < updates else last + 1
         self.published = self.updates - self.config.sync_every  # forces the push
@@ -309,12 +330,23 @@ class RolloutScheduler:
             abandoned=rec["abandoned"], cut=rec["cut"], waited=waited,
             metrics=dict(rec["metrics"]))
         self.record = record
+        self._ended(rec)
+        if self._log is not None and self.reader:  # a share's later readers log nothing
+            self._log(record)
+        return rows
+
+    def _ended(self, rec: dict[str, Any]) -> None:
+        """Which tasks the step trained, left out at packing, or dropped; the task stream
+        is told of each."""
         self.admitted = [(int(g), int(b), str(t)) for g, b, t in rec.get("admitted", ())]
         packed = {int(g) for g in rec.get("packed", ())}
         self.trained = [task for g, _, task in self.admitted if g in packed]
-        if self._log is not None:
-            self._log(record)
-        return rows
+        dropped = [(int(b), str(t), str(c)) for _, b, t, c in rec.get("dropped", ())]
+        self.dropped = [(t, c) for _, t, c in dropped]
+        self.extra = {k: int(rec.get(k, 0)) for k in ("refused", "surplus", "overlong")}
+        if self._stream is not None:
+            for batch, task in [(b, t) for _, b, t in self.admitted] + [(b, t) for b, t, _ in dropped]:
+                self._stream.ended(batch, task)
 
     def _push(self, variables: Any) -> None:
         at = self.writer.ride(lambda: self.weights.load(variables, self.updates), "publishing weights")

@@ -33,7 +33,9 @@ def _dead_by_stream(r, keys) -> dict[str, list[str]]:
 @pytest.mark.timeout(60)
 def test_poison_on_every_input_stream_is_dead_lettered_with_its_reason(threads, r, keys):
     admission = threads.admission(block_ms=50, lease_s=5, scheduler=SCHEDULER)
-    source = ScriptedSource(rules=[{"task": "t0.0", "sample": 0, "attempt": 0, "duration_s": 2.0}],
+    # the attempt the forged result names runs until the consumer stops: it is surely still
+    # running when the forgery arrives, however loaded the machine
+    source = ScriptedSource(rules=[{"task": "t0.0", "sample": 0, "attempt": 0, "duration_s": 600.0}],
                             default={"duration_s": 0.005})
     consumer = threads.consumer(source, slots=8, block_ms=50, lease_s=5, grace_s=1)
     trainer = Trainer(r, keys, tasks=2)
@@ -46,7 +48,7 @@ def test_poison_on_every_input_stream_is_dead_lettered_with_its_reason(threads, 
     r.xadd(keys.work, GARBAGE)
     r.xadd(keys.control, GARBAGE)
     trainer.handover()
-    # a result with a NaN reward that names the attempt running for 2 s: dead-lettered, and
+    # a result with a NaN reward that names the running attempt: dead-lettered, and
     # the attempt is finished as infra_error (resubmitted) instead of waiting for it
     no_chains = msgpack.unpackb(wire.encode(wire.Result(0, 0, 0, 0, 0, "x", Status.COMPLETED)))["chains"]
     r.xadd(keys.results(0), _packed(

@@ -1,10 +1,14 @@
 """Poison entries in the live pipeline (a real admission consumer and a real rollout
 consumer on real Redis, 7 and the embedded 6.2): garbage bytes, a wrong schema version,
-NaN and infinite rewards, token ids beyond the vocabulary, chains longer than `width`,
-negative durations and oversized messages, on every stream they can reach. Each ends in the
-dead-letter stream with its reason, or is refused by its producer with a clear error; each
-is counted (`rollstream_dead_letters_total`); the consumers keep running and the run still
-trains every task. The message-size limit holds on both ends (`max_message_bytes`)."""
+NaN and infinite rewards, token ids beyond the vocabulary, negative durations and oversized
+messages, on every stream they can reach. Each ends in the dead-letter stream with its
+reason, or is refused by its producer with a clear error; each is counted
+(`rollstream_dead_letters_total`); the consumers keep running and the run still trains
+every task. The message-size limit holds on both ends (`max_message_bytes`).
+
+What is not poison is not dead-lettered: a chain longer than a packed row trains as a
+truncation, a COMPLETED rollout without a reward is a failed attempt (`unscored`), and a
+group that can never fit the rows is refused with a record field and a metric."""
 
 from __future__ import annotations
 
@@ -55,7 +59,6 @@ POISON_RESULTS = {  # the dead letter's reason, for each poisoned result
     "reward: must be finite, got inf": _entry(_result(reward=math.inf)),
     "components.format: must be finite, got nan": _entry(_result(components={"format": math.nan})),
     f"chains.tokens: token id 5000 is beyond the vocabulary of {VOCAB} (the config's vocab)": _entry(_result(_chain(3, 1, top=5000))),
-    "chains.lengths: chain 0 has 80 tokens, more than width 64": _entry(_result(_chain(60, 20))),
     "timings.finished: 5.0 is before timings.started 10.0: a negative duration":
         _entry(_result(timings={"started": 10.0, "finished": 5.0})),
     "timings.env_s: must be >= 0, got -1.0": _entry(_result(timings={"env_s": -1.0})),
@@ -108,7 +111,7 @@ def test_every_poison_is_dead_lettered_counted_and_the_run_still_trains(threads,
     assert sorted(admitted_tasks(readies)) == [f"t{b}.{i}" for b in range(STEPS) for i in range(2)]
     assert dict(resubmitted(readies)) == {"infra_error": 2}
     deadline = time.monotonic() + 10
-    while sum(map(len, _dead(r, keys).values())) < 18 and time.monotonic() < deadline:
+    while sum(map(len, _dead(r, keys).values())) < 17 and time.monotonic() < deadline:
         time.sleep(0.05)
     dead = _dead(r, keys)
 
@@ -142,10 +145,10 @@ def test_every_poison_is_dead_lettered_counted_and_the_run_still_trains(threads,
     # each was counted, by stream and reason (the offending field)
     counted = _counted(adm_metrics)
     assert counted[("results:0", "reward")] == 2 and counted[("results:0", "message")] == 2
-    for field in ("components.format", "chains.tokens", "chains.lengths", "timings.finished", "timings.env_s", "v"):
+    for field in ("components.format", "chains.tokens", "timings.finished", "timings.env_s", "v"):
         assert counted[("results:0", field)] == 1, field
     assert counted[("tasks:0", "message")] == 2 and counted[("tasks:0", "v")] == 1
-    assert sum(counted.values()) == admission.stats["dead_letters"] == 13
+    assert sum(counted.values()) == admission.stats["dead_letters"] == 12
     assert admission.stats["salvaged"] == len(POISON_RESULTS) - 1  # all but the garbage name an attempt
     assert _counted(con_metrics) == {("work", "message"): 2, ("work", "v"): 1, ("results:0", "invalid session"): 2}
     assert consumer.stats["dead_letters"] == 3 and consumer.stats["salvaged"] == 2
@@ -177,3 +180,48 @@ def test_the_producer_refuses_an_oversized_message_and_writes_nothing(r, keys):
     assert r.xlen(keys.tasks(0)) == 1 and r.xlen(keys.weights) == 0
     writer.register(0, 0, [Task("small", {"text": "x" * 100})])  # and the writer goes on
     assert r.xlen(keys.tasks(0)) == 2
+
+
+def _family(metrics: Metrics, name: str) -> float:
+    return sum(s.value for family in metrics.registry.collect() if family.name == name
+               for s in family.samples if s.name.endswith("_total"))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("truncation", ["mask", "score"])
+def test_over_long_unscored_and_unpackable_rollouts_are_handled_and_visible(threads, r, keys, truncation):
+    """Three things a run must survive, each visible in the step's record and a metric:
+    t0.0's first sample has a 96-token chain (width 64): cut to the row and trained as a
+    truncation under the run's policy, not dead-lettered nor burnt as infra_error; t0.1's
+    first sample completes without a reward: resubmitted as `unscored`, the step trains;
+    every sample of t1.0 is 6 chains of 48 tokens, more than the 4 rows of 64 hold: the
+    group is refused at packing and the step goes on without it."""
+    metrics = Metrics()
+    script = [{"task": "t0.0", "sample": 0, "tokens": 48},
+              {"task": "t0.1", "sample": 0, "attempt": 0, "reward": None},
+              {"task": "t1.0", "calls": 6, "tokens": 24}]
+    threads.admission(block_ms=20, scheduler={"groups": 2, "rows": 4, "width": 64,
+                                              "truncation": truncation, "ahead": 0, "max_lag": 0},
+                      vocab=VOCAB, metrics=metrics)
+    threads.consumer(ScriptedSource(rules=script, default={"tokens": 8}), slots=4, block_ms=20)
+    trainer = Trainer(r, keys, tasks=2, ahead=0)
+    trainer.open()
+    steps = []
+    for _ in range(2):
+        trainer.handover()
+        steps.append(trainer.wait(timeout_s=30).record)
+    first, second = steps
+    assert first["overlong"] == 1 and first["refused"] == 0
+    assert [t for _, _, t in first["admitted"]] and len(first["packed"]) == 2  # both groups train
+    assert first["resubmitted"]["unscored"] == 1
+    refused_group = [g for g, _, t in second["admitted"] if t == "t1.0"]
+    assert second["refused"] == 1 and second["cut"] == 0
+    assert len(second["packed"]) == 1 and refused_group[0] not in second["packed"]
+    assert second["refused_groups"][0][1].startswith("group of")
+    assert _dead(r, keys) == {}  # none of it is poison
+    assert _family(metrics, "rollstream_rollouts_overlong") == 1
+    assert _family(metrics, "rollstream_groups_refused") == 1
+    # the over-long sample trains under the policy: masked, or on its verifier reward
+    ready = trainer.readies[0]
+    trained = ready.arrays["rollout_trained"].tolist()
+    assert trained.count(False) == (1 if truncation == "mask" else 0)

@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from consumers.sources.scripted import ScriptedSource
+from pipeline.errors import ConfigError
 from consumers.sources.sleep import SleepSource
 from producers.tasks import StepFailed
 from trainer.rollout_scheduler import RolloutScheduler, VocabError
@@ -167,3 +168,40 @@ def test_rows_beyond_the_models_context_are_refused_naming_the_setting():
                           rows=4, groups=2, vocab=64, context=16) as sched:
         with pytest.raises(VocabError, match=r"position 31, beyond the model's 16 positions.*scheduler.width"):
             sched(next(iter(sched.tasks(batches(1)))), None)
+
+
+# ------------------------------------------------------------- one scheduler config per run
+
+
+def _facade(redis_config, **rules):
+    return RolloutScheduler(None, None, Publisher(), width=64, rows=4, groups=2, redis=redis_config,
+                            step_timeout_s=20, **rules)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("redis_url", ["server"], indirect=True)
+def test_a_trainer_whose_scheduler_config_differs_from_the_running_admission_is_refused_at_start(
+        redis_config, r, threads):
+    threads.admission(shard=0, block_ms=20, scheduler={"groups": 2, "width": 64, "rows": 4,
+                                                       "ahead": 1, "max_lag": 1})
+    with pytest.raises(ConfigError) as info:
+        _facade(redis_config, ahead=1, max_lag=2, admission="stream")
+    message = str(info.value)
+    assert "max_lag: 2 != 1" in message and "admission: 'stream' != 'batch'" in message
+    assert "groups" not in message  # only the fields that differ
+    with _facade(redis_config, ahead=1, max_lag=1) as sched:  # the same section starts
+        assert sched.config.max_lag == 1
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("redis_url", ["server"], indirect=True)
+def test_an_admission_started_under_another_config_refuses_the_trainer_s_epoch(redis_config, r, keys, threads):
+    with _facade(redis_config, ahead=0, max_lag=0, max_attempts=5) as sched:
+        stream = iter(sched.tasks(batches(2, size=2)))
+        batch = next(stream)  # the epoch is opened before any admission consumer runs
+        threads.admission(shard=0, block_ms=20, scheduler={"groups": 2, "width": 64, "rows": 4,
+                                                           "ahead": 0, "max_lag": 0})
+        with pytest.raises(StepFailed, match=r"max_attempts: 5 != 3"):
+            sched(batch, None)
+    dead = [f[b"reason"].decode() for _, f in r.xrange(keys.dead)]
+    assert any("scheduler config differs" in reason for reason in dead)

@@ -194,17 +194,32 @@ def test_salvaging_an_invalid_result_never_raises(fields, shard):
 
 
 @FUZZ
-@given(MESSAGES[wire.Result], st.none() | st.integers(1, 2**31), st.none() | st.integers(1, 64))
-def test_result_checks_accept_or_refuse_with_a_field(result, vocab, width):
+@given(MESSAGES[wire.Result], st.none() | st.integers(1, 2**31))
+def test_result_checks_accept_or_refuse_with_a_field(result, vocab):
     try:
-        wire.check_result(result, vocab=vocab, width=width)
+        wire.check_result(result, vocab=vocab)
     except SchemaError as err:
         assert err.field.split(".")[0] in ("chains", "timings"), str(err)
         return
     for chain in result.chains:
         assert vocab is None or not len(chain) or int(chain.tokens.max()) < vocab
         assert vocab is None or chain.support is None or not chain.support.size or chain.support.max() < vocab
-        assert width is None or len(chain) <= width
+
+
+@FUZZ
+@given(MESSAGES[wire.Result], st.integers(1, 64))
+def test_a_result_cut_to_the_row_width_still_encodes_and_fits(result, width):
+    cut = wire.fit_width(result, width)
+    if cut is None:
+        assert all(len(chain) <= width for chain in result.chains)
+        return
+    assert all(len(chain) <= width for chain in cut.chains)
+    assert [c.tokens[:width].tolist() for c in result.chains] == [c.tokens.tolist() for c in cut.chains]
+    assert wire.decode(encode(cut), wire.Result) == cut
+    if result.status in (Status.INFRA_ERROR, Status.CANCELLED):
+        assert cut.status is result.status
+    else:
+        assert cut.status is Status.TRUNCATED and cut.truncation == wire.OVERLONG
 
 
 def test_a_shape_claiming_more_than_the_message_carries_is_refused():

@@ -609,3 +609,14 @@ def test_every_task_ends_in_exactly_one_emit_trained_or_dropped():
     (emit,) = of(Emit, d.finish_group(g2))
     assert [g.task.id for g in emit.groups] == ["t0.0", "t0.2"]
     assert [(x.task.id, x.cause) for x in emit.dropped] == [("t0.1", "infra_error")]
+
+
+def test_a_short_first_batch_does_not_shrink_the_stream_target_or_the_step():
+    """A resumed epoch registers the tasks carried over as a short batch first; without
+    batch_size the largest batch so far sizes the in-flight target and the step."""
+    d = _stream(groups=1, ahead=1, max_lag=1)
+    d.register(0, n=1)
+    assert d.sched.target == 2 and d.sched._admit_default == 1
+    d.register(1, n=3)
+    assert d.sched.target == 6 and d.sched.in_flight + d.sched.credits == 6
+    assert d.sched.in_flight == 4 and d.sched._admit_default == 3

@@ -46,11 +46,18 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          "Events handled by the scheduling state machine, by kind.",
          [(rate("rollstream_scheduler_events_total", "kind"), "{{kind}}")]),
         ("Groups / s", "timeseries", "ops",
-         ("Complete groups admitted to the trainer, abandoned after max_attempts, and cut "
-         "because they did not fit the packed rows."),
+         ("Complete groups admitted to the trainer, abandoned after max_attempts, cut "
+         "because they did not fit the packed rows beside the others, refused because they "
+         "can never fit them, and cut as surplus by admit."),
          [(rate("rollstream_groups_admitted_total", "shard"), "admitted {{shard}}"),
           (rate("rollstream_groups_abandoned_total", "shard"), "abandoned {{shard}}"),
-          (rate("rollstream_groups_cut_total", "shard"), "cut {{shard}}")]),
+          (rate("rollstream_groups_cut_total", "shard"), "cut {{shard}}"),
+          (rate("rollstream_groups_refused_total", "shard"), "refused {{shard}}"),
+          (rate("rollstream_groups_surplus_total", "shard"), "surplus {{shard}}")]),
+        ("Over-long rollouts / s", "timeseries", "ops",
+         ("Results with a chain longer than a packed row, cut to the row width and trained "
+         "as truncations under the run's truncation policy."),
+         [(rate("rollstream_rollouts_overlong_total", "shard"), "shard {{shard}}")]),
         ("Admitted lag (updates)", "timeseries", "short",
          ("Trainer updates minus the weight version of each step's oldest admitted call; "
          "never above max_lag."),

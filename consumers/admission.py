@@ -67,6 +67,7 @@ import numpy as np
 import redis
 
 from consumers import journal, trimming
+from consumers.fence import Fence
 from pipeline import wire
 from pipeline.config import AdmissionConfig, load, scheduler_differences
 from pipeline.errors import guarded
@@ -171,7 +172,8 @@ class Admission:
     def __init__(self, config: AdmissionConfig, redis: redis.Redis, *,
                  clock: Callable[[], float] = time.time, snapshot_every: int | None = None,
                  control_retention_s: float | None = None,
-                 read_count: int = READ_COUNT, metrics: Metrics | None = None) -> None:
+                 read_count: int = READ_COUNT, metrics: Metrics | None = None,
+                 fence: Fence | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.r = redis
@@ -196,6 +198,10 @@ class Admission:
         self._next_trim = time.monotonic() + config.trim_every_s
         self.outage = Outage(f"admission shard {self.shard}", config.redis.reconnect_s)
         check(self.r, config.redis)
+        # one consumer per shard: every transaction commits under this one's fencing token
+        self.fence = fence or Fence(self.r, self.keys, self.shard, config.shard_lease_s)
+        if self.fence.token is None:
+            self.fence.acquire()
         self._recover()
 
     # ------------------------------------------------------------------ loop
@@ -223,7 +229,10 @@ class Admission:
         log.info("admission shard %d stopped: %s", self.shard, dict(self.stats))
 
     def poll_once(self, block_ms: int | None = None) -> int:
-        """One iteration: read, transitions, tick, reclaim and trim when due."""
+        """One iteration: read, transitions, tick, reclaim and trim when due, and the
+        shard's lease renewed when nothing else renewed it."""
+        if self.fence.due():
+            self._commit(_Txn(self.r), renew=True)
         entries = self._read(block_ms)
         done = self._transitions(entries)
         done += self._tick()
@@ -256,6 +265,7 @@ class Admission:
         """A fresh client, then recovery from Redis (nothing in memory is trusted)."""
         old, self.r = self.r, connect(self.config.redis)
         old.close()
+        self.fence.r = self.r
         self.stats["reconnects"] += 1
         self._recover()
         log.info("shard %d: reconnected and recovered (epoch %d, %d in flight)", self.shard,
@@ -440,9 +450,12 @@ class Admission:
         txn.observe.append(lambda m: m.observe_actions(self.shard, actions))
         return self._commit(txn)
 
-    def _commit(self, txn: _Txn) -> int:
-        """EXEC the transaction, with a snapshot replacing the journal when one is due."""
-        if not len(txn):
+    def _commit(self, txn: _Txn, renew: bool = False) -> int:
+        """EXEC the transaction, with a snapshot replacing the journal when one is due, the
+        shard's lease renewed, and only under this consumer's fencing token (`Fenced`
+        otherwise: another consumer took the shard over). `renew`: commit even an empty
+        transaction (the lease's renewal alone)."""
+        if not len(txn) and not renew:
             return 0
         held = {name: payload for name, payload in txn.held.items() if payload is not None}
         if held:  # one HSET for the transaction (the names are new: one per attempt)
@@ -453,13 +466,28 @@ class Admission:
         if snapshot:
             txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
             txn.pipe.delete(self.keys.journal(self.shard))
-        txn.pipe.execute()
+        self.fence.renew_in(txn.pipe)
+        self._execute(txn)
         self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions
         if self.metrics is not None:
             for observe in txn.observe:
                 observe(self.metrics)
             self.metrics.set_in_flight(self.shard, self.sched.in_flight)
         return txn.transitions
+
+    def _execute(self, txn: _Txn) -> None:
+        """EXEC under the fencing token. A refused EXEC is `Fenced` when the token changed;
+        otherwise (the connection failed while watching) a connection error, which the loop
+        rides out like any other (nothing of the transaction was applied)."""
+        try:
+            self.fence.guard(txn.pipe)
+            txn.pipe.execute()
+        except redis.exceptions.WatchError as exc:
+            self.fence.check()
+            raise redis.exceptions.ConnectionError(f"shard {self.shard}: transaction not applied: {exc}") from exc
+        finally:
+            txn.pipe.reset()
+        self.fence.renewed_now()
 
     # ------------------------------------------------------------------ actions
 
@@ -834,8 +862,11 @@ def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
     recovered = threading.Event()  # ready once the state is rebuilt from Redis
     with serving("admission", config.redis.namespace, config.metrics_addr, offsets={"shard": config.shard},
                  health=lambda: not stop.is_set(), ready=recovered.is_set) as metrics:
-        admission = Admission(config, connect(config.redis), snapshot_every=snapshot_every,
-                              metrics=metrics)
+        r = connect(config.redis)
+        check(r, config.redis)
+        fence = Fence(r, Keys(config.redis.namespace), config.shard, config.shard_lease_s)
+        fence.acquire(stop)  # waits while another live consumer holds the shard
+        admission = Admission(config, r, snapshot_every=snapshot_every, metrics=metrics, fence=fence)
         recovered.set()
         admission.run(stop)
     return 0

@@ -183,6 +183,10 @@ class AdmissionConfig(_Model):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     block_ms: int = Field(1000, ge=1, description="longest blocking read")
     lease_s: float = Field(30.0, gt=0, description="work whose lease is older than this is reclaimed")
+    shard_lease_s: float = Field(
+        15.0, gt=0, description="the shard's lease: a second admission consumer of the shard waits "
+        "until its holder has not renewed it for this long, then takes the shard over (the first "
+        "is fenced: its next transaction is refused and it stops)")
     trim_every_s: float = Field(10.0, gt=0)
     snapshot_every: int = Field(1000, ge=1, description="transitions between scheduler snapshots")
     control_retention_s: float = Field(

@@ -61,8 +61,9 @@ ACL_COMMANDS = (
     # hashes (state, held payloads, weight manifests), the cancelled set, plain keys
     "hset", "hsetnx", "hget", "hmget", "hgetall", "hkeys", "hdel", "zadd", "zscore",
     "zremrangebyscore", "get", "set", "del", "exists", "incr", "incrby", "pexpire", "scan",
-    # transactions and the connection (SELECT: a URL naming a database other than 0)
-    "multi", "exec", "discard", "ping", "hello", "select",
+    # transactions (WATCH: an admission consumer's fencing token) and the connection
+    # (SELECT: a URL naming a database other than 0)
+    "multi", "exec", "discard", "watch", "unwatch", "ping", "hello", "select",
 )
 """Every command the pipeline's processes (admission, rollout consumers, trainer side,
 `rollstream status`) send: the rules of the run's user (`acl_rules(keys)`)."""
@@ -99,6 +100,7 @@ ACL_ROLES: dict[str, AclRole] = {
          "hset", "hget", "hgetall", "del", "pexpire", "exists", "scan", "multi", "exec",
          "discard", "ping", "hello", "select"),
         writes=("tasks:*", "epoch:*", "ready:*", "weights*", "dead"),
+        reads=("state:*",),  # the scheduler config the admission consumers run under
     ),
     "status": AclRole(
         ("exists", "xlen", "xinfo|groups", "xinfo|stream", "xinfo|consumers", "xrange",

@@ -1,15 +1,23 @@
-"""`rollstream chaos [--json] [--minutes M] [--seed S]`: faults on a real run, then an audit.
+"""`rollstream chaos [--json] [--minutes M] [--seed S] [--admission batch|stream]`: faults on
+a real run, then an audit.
 
 A real multi-process run on this machine (`trainer.local.LocalRun`): its own Redis server
 (AOF, `appendfsync everysec`, in a temporary folder), one admission consumer, several
 rollout consumer processes (`PolicySource` on one-digit copy) and a one-rank DeepSpeed
-trainer that checkpoints every two steps. While it trains, a driver inflicts faults on a
-schedule drawn from `--seed`:
+trainer that checkpoints every two steps, in `--admission` mode (batch by default, or
+stream: sample-completion backfill, steps training groups of any registered batch). While
+it trains, a driver inflicts faults on a schedule drawn from `--seed`:
 
 - `consumer_kill`: kill -9 a rollout consumer (restarted a moment later, as a Deployment
   would); its sessions' leases lapse and the admission consumer reclaims their work;
+- `consumer_pause`: SIGSTOP a rollout consumer for longer than its work's lease, then
+  SIGCONT: the admission consumer reclaims and resubmits its work meanwhile, and the
+  results it sends once resumed are dropped as superseded;
 - `admission_kill`: kill -9 the admission consumer (restarted): it recovers its state from
   its snapshot and journal;
+- `admission_pause`: SIGSTOP the admission consumer and start a replacement, which takes
+  the shard over once the paused one's lease lapses; resumed (SIGCONT), the paused one's
+  next transaction is refused (its fencing token is stale) and it exits 1 (`fenced`);
 - `redis_restart`: a Redis restart (SHUTDOWN, which writes the AOF out, then the same
   server started again on the same files); every client rides the outage out with backoff;
 - `trainer_resume`: kill -9 the trainer, then the same command again: it resumes from its
@@ -19,21 +27,25 @@ The run trains for `--minutes` from its first step. Every kind is inflicted once
 seeded order, over the first two thirds of that window (Redis restarts once), then a
 consumer, the admission consumer or the trainer is killed every window / 8 seconds or so.
 At the end the trainer gets SIGTERM: it stops after its step, checkpoints and exits 0.
-Nobody intervenes: the driver only restarts what it killed, like an orchestrator; a
-process that exits by itself is restarted too and counted in `crashes`.
+Nobody intervenes: the driver only restarts what it killed (and replaces what it paused),
+like an orchestrator; a process that exits by itself is restarted too and counted in
+`crashes` (a fenced admission consumer's exit is expected: counted in `fenced`).
 
-The audit reads the trainer's step records (`record` of `rollstream trainer`). A killed
-trainer's steps after its last checkpoint are trained again by the resumed one, so the
-trained history is the lineage of the final model: each run's steps up to where the next
-run resumed, then the last run's. Over the lineage, for every task the data stream defines
-for its steps (`registered`): `trained_once`, `trained_twice` (more than once;
-must be 0), `abandoned` (its group ended without being trained: abandoned after
-`max_attempts` failures, or cut at packing; by cause), and `lost` (none of those; must be
-0). The lineage must also hold its steps 0, 1, ... exactly once each. Prints JSON with `--json`:
-`{"registered", "trained_once", "abandoned", "lost", "trained_twice", "faults":
-{"consumer_kill", "admission_kill", "redis_restart", "trainer_resume"}, ...}`; exits 0
-when lost and trained_twice are 0, the lineage's steps are in order, the trainer's last run
-exited 0 and every kind of fault happened, else 1.
+The audit reads the trainer's step records (`record` of `rollstream trainer`) and its final
+checkpoint. A killed trainer's steps after its last checkpoint are trained again by the
+resumed one, so the trained history is the lineage of the final model: each run's steps up
+to where the next run resumed, then the last run's. Over the lineage, for every task the
+data stream defines for its steps (`registered`): `trained_once`, `trained_twice` (more
+than once; must be 0, over every task trained), `abandoned` (it ended without being
+trained: `attempts`, abandoned after `max_attempts` failures with the records naming it;
+`surplus`, cut by `admit`; `cut`, left out or refused at packing), `outstanding` (stream
+admission: still in flight at the end, carried by the final checkpoint, so a resumed run
+registers it first) and `lost` (none of those; must be 0). `trained_ahead` counts the
+tasks of later batches that stream steps trained. The lineage must also hold its steps 0,
+1, ... exactly once each. Prints JSON with `--json`: `{"admission", "registered",
+"trained_once", "abandoned", "outstanding", "lost", "trained_twice", "faults": {KIND: n},
+"fenced", ...}`; exits 0 when lost and trained_twice are 0, the lineage's steps are in
+order, the trainer's last run exited 0 and every kind of fault happened, else 1.
 """
 
 from __future__ import annotations
@@ -52,9 +64,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import redis
 
 from pipeline.config import build
+from pipeline.keys import Keys
 from pipeline.processes import Process, free_port
 from trainer.config import RunConfig
 from trainer.local import LocalRun
@@ -62,7 +76,10 @@ from trainer.main import batches
 
 log = logging.getLogger(__name__)
 
-KINDS = ("consumer_kill", "admission_kill", "redis_restart", "trainer_resume")
+KINDS = ("consumer_kill", "consumer_pause", "admission_kill", "admission_pause", "redis_restart",
+         "trainer_resume")
+WORK_LEASE_S = 5.0  # the admission consumer reclaims work whose lease is older
+SHARD_LEASE_S = 3.0  # a replacement admission consumer takes the shard over after this
 MAX_TRAINER_CRASHES = 3  # a trainer that keeps failing by itself ends the run with its log
 
 
@@ -115,7 +132,7 @@ class RedisServer:
             self.process.wait(30)
 
 
-def run_config(url: str, namespace: str, folder: Path, seed: int) -> RunConfig:
+def run_config(url: str, namespace: str, folder: Path, seed: int, admission: str = "batch") -> RunConfig:
     """The run under faults: as many steps as the window holds (it ends with a SIGTERM)."""
     return build(RunConfig, {
         "redis": {"url": url, "namespace": namespace, "password_env": None, "reconnect_s": 120.0,
@@ -125,7 +142,7 @@ def run_config(url: str, namespace: str, folder: Path, seed: int) -> RunConfig:
                                                        "n_heads": 2, "max_positions": 32}},
                     "optimizer": {"type": "AdamW", "lr": 2e-3}, "device": "cpu", "seed": seed},
         "scheduler": {"groups": 4, "width": 64, "rows": 2, "ahead": 1, "max_lag": 1,
-                      "truncation": "score", "max_attempts": 5},
+                      "truncation": "score", "max_attempts": 5, "admission": admission},
         "data": {"env": "arithmetic", "env_args": {"op": "copy", "digits": 1}, "batch_size": 4},
         "checkpoint": {"dir": str(folder / "checkpoints"), "every": 2, "keep": 2},
         "steps": 1_000_000, "record": str(folder / "record.jsonl"), "step_timeout_s": 600.0,
@@ -133,16 +150,18 @@ def run_config(url: str, namespace: str, folder: Path, seed: int) -> RunConfig:
 
 
 class Chaos:
-    def __init__(self, folder: Path, *, minutes: float, seed: int, consumers: int = 3) -> None:
+    def __init__(self, folder: Path, *, minutes: float, seed: int, consumers: int = 3,
+                 admission: str = "batch") -> None:
         self.folder, self.minutes, self.seed = folder, minutes, seed
         self.rng = random.Random(seed)
         self.redis = RedisServer(folder / "redis")
         self.redis.start()
-        self.config = run_config(self.redis.url, f"chaos-{seed}", folder, seed)
+        self.config = run_config(self.redis.url, f"chaos-{seed}", folder, seed, admission)
         self.run = LocalRun(self.config, folder / "run", ranks=1, consumers=consumers, slots=4,
-                            admission={"lease_s": 5.0})
+                            admission={"lease_s": WORK_LEASE_S, "shard_lease_s": SHARD_LEASE_S})
         self.faults: Counter[str] = Counter()
         self.crashes: Counter[str] = Counter()
+        self.fenced = 0  # paused admission consumers that stopped, fenced, once resumed
         self.record = Path(self.config.record or "")
 
     # ------------------------------------------------------------------ the run
@@ -177,10 +196,17 @@ class Chaos:
             run.consumers[i].kill()
             time.sleep(self.rng.uniform(0.2, 1.5))
             run.start_consumer(i)
+        elif kind == "consumer_pause":
+            i = self.rng.randrange(len(run.consumers))
+            run.consumers[i].signal(signal.SIGSTOP)
+            time.sleep(WORK_LEASE_S * self.rng.uniform(1.3, 1.8))  # past its work's lease
+            run.consumers[i].signal(signal.SIGCONT)
         elif kind == "admission_kill":
             run.admissions[0].kill()
             time.sleep(self.rng.uniform(0.2, 1.5))
             run.start_admission(0)
+        elif kind == "admission_pause":
+            self.replace_paused_admission()
         elif kind == "redis_restart":
             self.redis.stop()
             time.sleep(self.rng.uniform(0.5, 2.0))
@@ -189,6 +215,32 @@ class Chaos:
             run.trainers[0].kill()
             self.start_trainer()
         self.faults[kind] += 1
+
+    def replace_paused_admission(self) -> None:
+        """Pause the admission consumer, start its replacement, and once the replacement
+        holds the shard resume the paused one: its next transaction is fenced and it exits 1
+        with the reason (counted in `fenced`; anything else is a failure of the run)."""
+        paused = self.run.admissions[0]
+        paused.signal(signal.SIGSTOP)
+        replacement = self.run.start_admission(0)
+        client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
+        lease = Keys(self.config.redis.namespace).lease(0)
+        deadline = time.monotonic() + SHARD_LEASE_S * 10
+        try:
+            while not (client.get(lease) or b"").endswith(f":{replacement.pid}".encode()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replacement admission consumer did not take the shard over:\n"
+                                       + replacement.output()[-3000:])
+                self.supervise()
+                time.sleep(0.05)
+        finally:
+            client.close()
+        paused.signal(signal.SIGCONT)
+        code = paused.wait(60)
+        if code != 1 or "another admission consumer took the shard over" not in paused.output():
+            raise RuntimeError(f"the paused admission consumer exited {code} instead of stopping "
+                               f"fenced:\n{paused.output()[-3000:]}")
+        self.fenced += 1
 
     def start_trainer(self) -> None:
         self._trainer_from = self.lines()
@@ -258,8 +310,8 @@ class Chaos:
             self.redis.stop()
         report = audit(self.config, self.record)
         report.update(faults={k: self.faults[k] for k in KINDS}, crashes=dict(self.crashes),
-                      seconds=round(time.monotonic() - started, 1), trainer_exit=trainer_code,
-                      exit_codes=codes)
+                      fenced=self.fenced, seconds=round(time.monotonic() - started, 1),
+                      trainer_exit=trainer_code, exit_codes=codes)
         return report
 
 
@@ -282,6 +334,8 @@ def lineage(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def audit(config: RunConfig, record: Path) -> dict[str, Any]:
+    """Every task of the lineage's batches trained once, ended untrained with a cause, or
+    outstanding in the final checkpoint; none lost, none trained twice (module docstring)."""
     rows = [json.loads(line) for line in record.read_text().splitlines() if line.strip()] \
         if record.exists() else []
     history = lineage(rows)
@@ -290,23 +344,48 @@ def audit(config: RunConfig, record: Path) -> dict[str, Any]:
     registered = [str(t) for _, batch in zip(range(len(history)), data, strict=False) for t in batch["task_id"]]
     trained = Counter(task for row in history for task in row["tasks"])
     cut = {task for row in history for task in row.get("cut_tasks", ())}
-    abandoned_groups = sum(int(row.get("abandoned") or 0) for row in history)
-    once = [t for t in registered if trained[t] == 1]
-    twice = [t for t in registered if trained[t] > 1]
-    untrained = [t for t in registered if trained[t] == 0]
-    cut_here = [t for t in untrained if t in cut]
-    # an abandoned group's task shows in no record; the records count them per step
-    others = [t for t in untrained if t not in cut]
-    abandoned = min(len(others), abandoned_groups)
-    lost = len(others) - abandoned
+    dropped = {task: cause for row in history for task, cause in row.get("dropped_tasks", ())}
+    outstanding = set(final_outstanding(config))
+    causes: Counter[str] = Counter()
+    lost = []
+    for task in registered:
+        if trained[task]:
+            continue
+        if task in cut:
+            causes["cut"] += 1
+        elif task in dropped:
+            causes["surplus" if dropped[task] == "surplus" else "attempts"] += 1
+        elif task in outstanding:
+            causes["outstanding"] += 1
+        else:
+            lost.append(task)
+    known = set(registered)
     return {
-        "registered": len(registered), "trained_once": len(once), "trained_twice": len(twice),
-        "abandoned": len(cut_here) + abandoned,
-        "abandoned_by_cause": {"attempts": abandoned, "cut": len(cut_here)},
-        "lost": lost, "steps": len(history), "steps_in_order": steps == list(range(len(history))),
+        "admission": config.scheduler.admission, "registered": len(registered),
+        "trained_once": sum(trained[t] == 1 for t in registered),
+        "trained_twice": sum(n > 1 for n in trained.values()),
+        "trained_ahead": sum(1 for t in trained if t not in known),
+        "abandoned": causes["cut"] + causes["attempts"] + causes["surplus"],
+        "abandoned_by_cause": {k: causes[k] for k in ("attempts", "surplus", "cut")},
+        "outstanding": causes["outstanding"],
+        "lost": len(lost), "steps": len(history), "steps_in_order": steps == list(range(len(history))),
         "trainer_runs": len({row["run"] for row in rows}),
-        "twice": twice[:20], "lost_tasks": others[abandoned:][:20],
+        "twice": sorted(t for t, n in trained.items() if n > 1)[:20], "lost_tasks": lost[:20],
     }
+
+
+def final_outstanding(config: RunConfig) -> list[str]:
+    """The task ids the newest checkpoint carries as outstanding (rank 0's task-stream
+    position: `trainer.checkpoint`); none without a checkpoint or a position."""
+    folder = Path(config.checkpoint.dir or "")
+    latest = folder / "latest"
+    if not config.checkpoint.dir or not latest.is_file():
+        return []
+    data_file = folder / latest.read_text().strip() / "rollstream-rank0.msgpack"
+    if not data_file.is_file():
+        return []
+    data = msgpack.unpackb(data_file.read_bytes(), raw=False)
+    return [task_id for task_id, _ in data.get("carry", ())]
 
 
 def passed(report: dict[str, Any]) -> bool:
@@ -322,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="how long the run trains under faults (default 2)")
     p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
     p.add_argument("--consumers", type=int, default=3)
+    p.add_argument("--admission", choices=("batch", "stream"), default="batch",
+                   help="the run's admission mode (default batch)")
     p.add_argument("--keep", help="keep the run's folder (logs, records) here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
@@ -330,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rollstream-chaos-"))
     try:
         report = Chaos(folder, minutes=args.minutes, seed=args.seed,
-                       consumers=args.consumers).go()
+                       consumers=args.consumers, admission=args.admission).go()
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
@@ -338,10 +419,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"rollstream chaos: {'PASS' if ok else 'FAIL'}: {report['registered']} tasks registered, "
-              f"{report['trained_once']} trained once, {report['abandoned']} abandoned "
-              f"{report['abandoned_by_cause']}, {report['lost']} lost, {report['trained_twice']} "
-              f"trained twice; faults {report['faults']}; crashes {report['crashes']}; "
+        print(f"rollstream chaos ({report['admission']} admission): {'PASS' if ok else 'FAIL'}: "
+              f"{report['registered']} tasks registered, {report['trained_once']} trained once, "
+              f"{report['abandoned']} abandoned {report['abandoned_by_cause']}, "
+              f"{report['outstanding']} outstanding, {report['lost']} lost, "
+              f"{report['trained_twice']} trained twice; faults {report['faults']}; "
+              f"{report['fenced']} fenced; crashes {report['crashes']}; "
               f"{report['trainer_runs']} trainer runs; {report['seconds']}s")
     return 0 if ok else 1
 

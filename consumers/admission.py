@@ -44,8 +44,9 @@ fresh client and recovers exactly as on start. A transaction whose reply was los
 once either way: if it committed, its journal entry is replayed and its inputs are
 acknowledged; if not, neither, and the inputs are read again. See docs/pipeline.md.
 
-Exactly one admission consumer may run per shard (a Deployment of one replica with the
-Recreate strategy): two would both apply the shard's events.
+One admission consumer per shard, enforced (`consumers.fence`): it takes the shard's lease
+and a fencing token before it recovers, every transaction commits only under that token,
+and a consumer that another has replaced finds its next transaction refused (`Fenced`).
 """
 
 from __future__ import annotations

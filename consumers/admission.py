@@ -177,6 +177,8 @@ class Admission:
                  fence: Fence | None = None) -> None:
         self.config = config
         self.metrics = metrics
+        if metrics is not None:
+            metrics.start_shard(config.shard)
         self.r = redis
         self.keys = Keys(config.redis.namespace)
         self.shard = config.shard
@@ -864,7 +866,7 @@ def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
     with serving("admission", config.redis.namespace, config.metrics_addr, offsets={"shard": config.shard},
                  health=lambda: not stop.is_set(), ready=recovered.is_set) as metrics:
         r = connect(config.redis)
-        check(r, config.redis)
+        check(r, config.redis, stop)
         fence = Fence(r, Keys(config.redis.namespace), config.shard, config.shard_lease_s)
         fence.acquire(stop)  # waits while another live consumer holds the shard
         admission = Admission(config, r, snapshot_every=snapshot_every, metrics=metrics, fence=fence)

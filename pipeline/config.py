@@ -107,6 +107,9 @@ class RedisConfig(_Model):
     reconnect_s: float = Field(
         300.0, gt=0, description="how long a consumer keeps reconnecting after losing Redis before it gives up"
     )
+    start_wait_s: float = Field(
+        10.0, ge=0, description="at start, how long an unreachable Redis is waited for (a restart in "
+        "progress) before the process gives up with one line naming the URL")
 
     @field_validator("url")
     @classmethod

@@ -312,6 +312,13 @@ class Metrics:
         if duration_s is not None and math.isfinite(duration_s) and duration_s >= 0:
             self.session_duration.labels(s).observe(duration_s)
 
+    def start_shard(self, shard: int) -> None:
+        """Make the counters a shard may leave at zero for a long time exist at 0 (a series
+        that appears only at its first increment hides that first increment from rate())."""
+        s = str(shard)
+        for counter in (self.rollouts_overlong, self.groups_refused, self.groups_surplus):
+            counter.labels(s)
+
     def set_in_flight(self, shard: int, samples: int) -> None:
         self.samples_in_flight.labels(str(shard)).set(samples)
 

@@ -210,10 +210,30 @@ def where(config: RedisConfig) -> str:
     return f"{scheme}{sep}{rest}"
 
 
-def check(r: redis.Redis, config: RedisConfig) -> None:
+def check(r: redis.Redis, config: RedisConfig, stop: threading.Event | None = None) -> None:
     """PING, turning refused credentials into `RedisAuthError` that says which user and where
     the password came from (a wrong password fails at start, clearly, and is not retried),
-    and an unreachable server into `RedisUnreachable` naming the URL."""
+    and a server still unreachable after `config.start_wait_s` (a restart in progress is
+    waited for; `stop` ends the wait) into `RedisUnreachable` naming the URL."""
+    deadline = time.monotonic() + config.start_wait_s
+    pause = 0.1
+    while True:
+        try:
+            return _ping(r, config)
+        except RedisUnreachable:
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                raise
+            log.info("Redis at %s is unreachable; waiting up to %.0f s more (redis.start_wait_s)",
+                     where(config), left)
+            if stop is not None:
+                stop.wait(min(pause, left))
+            else:
+                time.sleep(min(pause, left))
+            pause = min(2 * pause, 1.0)
+
+
+def _ping(r: redis.Redis, config: RedisConfig) -> None:
     try:
         r.ping()
     except FATAL as exc:

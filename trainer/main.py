@@ -124,7 +124,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
         # a wrong URL, password or engine fails at once
         r = connect(config.redis)
         stack.callback(r.close)
-        check(r, config.redis)
+        check(r, config.redis, stop)
         keys = Keys(config.redis.namespace)
         publisher = TimedPublisher(_publisher(config, r, keys), metrics)
         if callable(getattr(publisher.inner, "close", None)):

@@ -160,3 +160,30 @@ def test_work_read_just_before_an_outage_is_started_after_it(redis_config, r):
         assert time.monotonic() < deadline, "the adopted entry never ran"
         time.sleep(0.02)
     assert r.xpending(keys.work, WORK_GROUP)["pending"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_process_started_while_redis_restarts_waits_for_it(tmp_path):
+    """A consumer restarted during a Redis restart (as an orchestrator does) waits up to
+    `redis.start_wait_s` instead of exiting: here `rollstream status`, whose first step is
+    the same start-up check; once the server listens it runs and exits 0."""
+    import subprocess
+    import sys
+
+    server = RedisServer(tmp_path / "redis")
+    log = tmp_path / "status.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "status",
+                                 "--url", server.url, "--namespace", "late"],
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while b"is unreachable; waiting" not in log.read_bytes():
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+            with server:
+                assert proc.wait(timeout=30) == 0, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()

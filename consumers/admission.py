@@ -64,6 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import msgspec
 import numpy as np
 import redis
 
@@ -75,6 +76,7 @@ from pipeline.errors import guarded
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
 from pipeline.metrics import Metrics, serving
 from pipeline.packing import Group, PackedBatch, Rollout, pack
+from pipeline.ready import ReadyRecord, compact
 from pipeline.redis_io import (
     FATAL,
     RETRYABLE,
@@ -541,7 +543,7 @@ class Admission:
             metrics = _finite(session_metrics(groups, packed, updates=rec.updates))
             extra = _extra(emit, packed, groups)
             ready = wire.to_fields(wire.Ready(self.shard, self.sched.epoch, emit.step, rec.updates,
-                                              _arrays(packed), _record_dict(emit, packed, metrics, extra)),
+                                              compact(packed), _ready_record(emit, packed, metrics, extra)),
                                    max_bytes=self.config.max_message_bytes)
             record = wire.to_fields(wire.Record(
                 self.shard, self.sched.epoch, emit.step, rec.updates, rec.version, rec.lag,
@@ -554,7 +556,7 @@ class Admission:
             txn.xadd(self.keys.ready(self.shard), ready)
             txn.xadd(self.keys.records(self.shard), record)
             self.stats["emitted"] += 1
-            final = replace(rec, cut=packed.cut, metrics=metrics)
+            final = msgspec.structs.replace(rec, cut=packed.cut, metrics=metrics)
             txn.observe.append(lambda m: m.observe_record(final, shard=self.shard, **extra))
         self._unhold(txn, keys)
         live = self.sched.live_groups()
@@ -565,7 +567,7 @@ class Admission:
     def _ready_error(self, txn: _Txn, step: int, error: str, epoch: int | None = None) -> None:
         """Fail `step` of `epoch` (default: the open one): the trainer waiting on it raises."""
         epoch = self.sched.epoch if epoch is None else epoch
-        ready = wire.Ready(self.shard, epoch, step, self.sched.updates, {}, {"error": error})
+        ready = wire.Ready(self.shard, epoch, step, self.sched.updates, {}, None, error=error)
         txn.xadd(self.keys.ready(self.shard), wire.to_fields(ready))
 
     # ------------------------------------------------------------------ held payloads
@@ -790,21 +792,6 @@ def _finite(metrics: Mapping[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
 
 
-_ARRAYS = ("tokens", "positions", "segments", "loss_mask", "advantages", "logprobs", "versions",
-           "segment_group", "segment_sample", "segment_chain", "rollout_group", "rollout_sample",
-           "rollout_reward", "rollout_advantage", "rollout_trained")
-
-
-def _arrays(packed: PackedBatch) -> dict[str, np.ndarray]:
-    """The packed step's arrays for the wire (a masked rollout's NaN reward travels as 0;
-    `rollout_trained` says which rollouts train)."""
-    out = {name: getattr(packed, name) for name in _ARRAYS}
-    out["rollout_reward"] = np.nan_to_num(out["rollout_reward"], nan=0.0)
-    if packed.support is not None:
-        out["support"] = packed.support
-    return out
-
-
 def _extra(emit: Emit, packed: PackedBatch, groups: Sequence[Group]) -> dict[str, int]:
     """What a step's record adds to the SchedulerRecord: groups refused at packing (they
     can never fit the rows), groups cut as surplus by `admit`, admitted rollouts whose
@@ -814,23 +801,16 @@ def _extra(emit: Emit, packed: PackedBatch, groups: Sequence[Group]) -> dict[str
             "overlong": sum(r.truncation == wire.OVERLONG for g in groups for r in g.rollouts)}
 
 
-def _record_dict(emit: Emit, packed: PackedBatch, metrics: dict[str, float],
-                 extra: Mapping[str, int]) -> dict:
-    """The Ready's record: the SchedulerRecord's fields, `extra`, and which tasks ended how:
-    `admitted` [group, batch, task id] (trained unless cut or refused at packing), `packed`
-    group ids, `refused_groups` [group, reason], `dropped` [group, batch, task id, cause]
-    (abandoned after max_attempts with the last failure's cause, or `surplus`)."""
-    rec = emit.record
-    return {
-        "updates": rec.updates, "version": rec.version, "lag": rec.lag, "groups": rec.groups,
-        "resubmitted": dict(rec.resubmitted), "cancelled": rec.cancelled,
-        "abandoned": rec.abandoned, "cut": packed.cut, **extra,
-        "waited": rec.waited, "metrics": metrics,
-        "admitted": [[g.group, g.batch, g.task.id] for g in emit.groups],
-        "packed": list(packed.groups),
-        "refused_groups": [[r.group, r.reason] for r in packed.refused],
-        "dropped": [[d.group, d.batch, d.task.id, d.cause] for d in emit.dropped],
-    }
+def _ready_record(emit: Emit, packed: PackedBatch, metrics: dict[str, float],
+                  extra: Mapping[str, int]) -> ReadyRecord:
+    """The Ready's record: the SchedulerRecord with packing's `cut` and `metrics`, `extra`,
+    and which tasks ended how (`ReadyRecord`)."""
+    return ReadyRecord(
+        **{**emit.record.fields(), "cut": packed.cut, "metrics": metrics}, **extra,
+        admitted=tuple((g.group, g.batch, g.task.id) for g in emit.groups),
+        packed=tuple(packed.groups),
+        refused_groups=tuple((r.group, r.reason) for r in packed.refused),
+        dropped=tuple((d.group, d.batch, d.task.id, d.cause) for d in emit.dropped))
 
 
 # ---------------------------------------------------------------------------- entry point

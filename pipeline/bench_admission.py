@@ -12,7 +12,9 @@ consumed and every step emitted gives rollouts per second.
 
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
 XREADGROUP (256 at a time), msgpack decode of each entry, XACK of the batch and XADD of the
-same bytes to another stream (pipelined). Reported: both rates and their ratio, and the
+same bytes to another stream (pipelined). Reported: both rates and their ratio,
+`ready_over_results` (the bytes of the steps' `Ready` entries over those of the results they
+pack: every result here is packed), and the
 ratio of the two loops' client CPU seconds (`cpu_ratio`: steadier than wall time on a
 shared machine; Redis's own CPU is not counted). Both loops run in this process after
 `consumers.admission.keep_freed_memory()`, as the admission process runs. `--repeat N`
@@ -26,6 +28,7 @@ import json
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -50,6 +53,29 @@ def _result(epoch: int, group: int, sample: int, prompt: int, completion: int,
                       timings={"started": 0.0, "finished": 1.0})
     res = wire.Result.from_session(0, epoch, group, sample, 0, session, "bench")
     return wire.to_fields(res)[wire.FIELD]
+
+
+def raw_floor(r, stream: str, group: str, sink: str, n: int, count: int,
+              reply: Callable[[bytes], bytes]) -> tuple[float, float]:
+    """The raw loop over `n` entries of `stream`: XREADGROUP `count` at a time through
+    `group`, msgpack decode of each, XADD of `reply(its bytes)` to `sink`, XACK of the batch
+    (pipelined). Returns its wall and client CPU seconds."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    seen = 0
+    while seen < n:
+        reply_ = r.xreadgroup(group, "floor", {stream: ">"}, count=count)
+        items = [it for _, its in reply_ or [] for it in its]
+        if not items:
+            continue
+        pipe = r.pipeline(transaction=False)
+        for _entry_id, fields in items:
+            data = fields[wire.FIELD]
+            msgpack.unpackb(data, raw=False, strict_map_key=False)
+            pipe.xadd(sink, {wire.FIELD: reply(data)})
+        pipe.xack(stream, group, *[e for e, _ in items])
+        pipe.execute()
+        seen += len(items)
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
@@ -96,14 +122,15 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         del payloads
 
         adm = Admission(config, connect(redis_config))
-        ready, last, emitted = keys.ready(0), "0", 0
+        ready, last, emitted, ready_bytes = keys.ready(0), "0", 0, 0
         t0, c0 = time.perf_counter(), time.process_time()
         while True:
             adm.poll_once(1)
             reply = r.xread({ready: last}, count=100)
             for _, items in reply or []:
-                for entry_id, _fields in items:
+                for entry_id, fields in items:
                     last, emitted = entry_id, emitted + 1
+                    ready_bytes += len(fields[wire.FIELD])
                     if emitted < steps:  # the trainer calls for the next step
                         r.xadd(tasks, wire.to_fields(wire.Handover(0, 0, emitted, 0, None)))
                     r.xdel(ready, entry_id)
@@ -123,22 +150,7 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         floor_group = "floor"
         results, sink = keys.results(0), f"{keys.prefix}floor-sink"
         r.xgroup_create(results, floor_group, id="0")
-        t0, c0 = time.perf_counter(), time.process_time()
-        seen = 0
-        while seen < rollouts:
-            reply = r.xreadgroup(floor_group, "floor", {results: ">"}, count=READ)
-            items = [it for _, its in reply or [] for it in its]
-            if not items:
-                continue
-            pipe = r.pipeline(transaction=False)
-            for entry_id, fields in items:
-                data = fields[wire.FIELD]
-                msgpack.unpackb(data, raw=False, strict_map_key=False)
-                pipe.xadd(sink, {wire.FIELD: data})
-            pipe.xack(results, floor_group, *[e for e, _ in items])
-            pipe.execute()
-            seen += len(items)
-        floor_s, floor_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        floor_s, floor_cpu_s = raw_floor(r, results, floor_group, sink, rollouts, READ, lambda data: data)
     finally:
         delete_namespace(r, keys)
         r.close()
@@ -147,6 +159,8 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         "admission_per_s": round(adm_rate, 1),
         "floor_per_s": round(floor_rate, 1),
         "ratio": round(adm_rate / floor_rate, 4),
+        # the bytes of the steps' Ready entries over those of the results they pack
+        "ready_over_results": round(ready_bytes / payload_bytes, 4),
         "workload": {"rollouts": rollouts, "group_size": GROUPS, "tokens_per_rollout": prompt + completion,
                      "groups_per_step": admit, "steps": steps, "width": width, "rows": rows,
                      "result_bytes_mean": round(payload_bytes / rollouts), "keep_freed_memory": kept},
@@ -194,7 +208,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     result = sorted(runs, key=lambda x: x["ratio"])[(len(runs) - 1) // 2]
     result["workload"]["redis"] = where
     if len(runs) > 1:
-        result["runs"] = [{k: x[k] for k in ("admission_per_s", "floor_per_s", "ratio", "cpu_ratio")}
+        result["runs"] = [{k: x[k] for k in ("admission_per_s", "floor_per_s", "ratio", "cpu_ratio",
+                                             "ready_over_results")}
                           for x in runs]
     if args.json:
         print(json.dumps(result))
@@ -203,4 +218,5 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"admission + packing: {result['admission']['rollouts_per_s']:10.1f} rollouts/s")
         print(f"raw floor:           {result['floor']['rollouts_per_s']:10.1f} rollouts/s")
         print(f"admission / floor:   {result['ratio']}")
+        print(f"Ready / results:     {result['ready_over_results']} (bytes)")
     return 0

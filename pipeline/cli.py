@@ -4,7 +4,6 @@ function of the module that owns the role."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ def _simulate(args: argparse.Namespace) -> int:
     workload = Workload(slots=args.slots, batch_size=args.batch_size, seed=args.seed)
 
     def show(report: StepReport) -> None:
-        rec = dataclasses.asdict(report.record)
+        rec = report.record.fields()
         if args.json:
             print(json.dumps({"step": report.step, "time_s": round(report.time_s, 3), **rec}))
             return

@@ -376,6 +376,12 @@ class _Layout:
             parts.append(padding[:self.width - n])
         return np.concatenate(parts).reshape(len(self.used), self.width, *flat.shape[1:])
 
+    def flat(self, rows: np.ndarray) -> np.ndarray:
+        """The inverse of `rows`: the non-padding cells of `[rows, width, ...]`, row after row."""
+        if not self.used:
+            return rows.reshape(0, *rows.shape[2:])
+        return np.concatenate([row[:n] for row, n in zip(rows, self.used)])
+
 
 def _advantage(packed: list[tuple[Group, GroupScores]], p: _Placement) -> float:
     return float(packed[p.group_pos][1].advantages[p.rollout_pos])

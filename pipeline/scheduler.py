@@ -37,8 +37,10 @@ import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
+
+import msgspec
 
 from pipeline.config import SchedulerConfig
 from pipeline.sessions import Status, Task
@@ -63,8 +65,7 @@ class SampleKey:
     attempt: int
 
 
-@dataclass(frozen=True)
-class SchedulerRecord:
+class SchedulerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What one trainer call consumed and what it cost.
 
     version and lag are the oldest admitted call's; groups counts admitted groups;
@@ -72,18 +73,26 @@ class SchedulerRecord:
     as surplus, stale or abandoned; abandoned counts groups given up after max_attempts; cut
     counts complete groups left out because their chains did not fit the batch's rows;
     waited is the seconds the trainer waited; metrics is session_metrics over the admitted
-    rollouts and their packed batch."""
+    rollouts and their packed batch.
+
+    A typed struct (msgspec): the one definition of these fields, which the `Ready` a trainer
+    receives carries (`pipeline.ready.ReadyRecord` adds what packing and admission know) and
+    which is decoded strictly (`msgspec.convert`, unknown fields refused)."""
 
     updates: int
     version: int
     lag: int
     groups: int
-    resubmitted: Mapping[str, int]
+    resubmitted: dict[str, int]
     cancelled: int
     abandoned: int
     cut: int
     waited: float
-    metrics: Mapping[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = {}
+
+    def fields(self) -> dict[str, object]:
+        """The record as a dict of its fields (JSON-able)."""
+        return {name: getattr(self, name) for name in SchedulerRecord.__struct_fields__}
 
 
 # ---------------------------------------------------------------------------- events

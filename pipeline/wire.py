@@ -33,6 +33,7 @@ import numpy as np
 from pipeline.chains import (
     NO_VERSION, VERSION_DTYPE, Chain, chains_to_arrays, merge_calls, uniform_support)
 from pipeline.packing import Rollout
+from pipeline.ready import ReadyRecord, decode_record, record_builtins
 from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task
 
 SCHEMA_VERSION = 2
@@ -503,14 +504,35 @@ class Weights(Message):
     size: int
 
 
-@_message("ready", **_SHARD, step=_int, updates=_int, arrays=_map(_array), record=_map(_native))
+def _ready_record(v: Any, path: str) -> ReadyRecord:
+    if not isinstance(v, dict):
+        raise SchemaError(path, f"expected a map, got {_tn(v)}")
+    try:
+        return decode_record(v)
+    except ValueError as exc:
+        raise SchemaError(path, str(exc)) from None
+
+
+def _ready_record_wire(v: Any) -> Any:
+    return record_builtins(v) if isinstance(v, ReadyRecord) else _wire(v)
+
+
+@_message("ready", **_SHARD, step=_int, updates=_int, arrays=_map(_array), record=_opt(_ready_record),
+          error=_opt(_str))
 @dataclass(frozen=True, eq=False)
 class Ready(_ShardMessage):
-    """A packed step for the trainer: numeric arrays and the step's record."""
+    """A packed step for the trainer: its compact arrays (a segment table,
+    `pipeline.ready.compact`; the trainer expands them) and the step's typed record
+    (`pipeline.ready.ReadyRecord`, decoded strictly); a step that failed carries no record,
+    no arrays and its `error` (a traceback)."""
     step: int
     updates: int
     arrays: dict[str, np.ndarray]
-    record: dict[str, Any] = field(default_factory=dict)
+    record: ReadyRecord | None = None
+    error: str | None = None
+
+    WIRE: ClassVar[dict[str, Callable[[Any], Any]]] = {"record": _ready_record_wire}
+    ADDED: ClassVar[frozenset[str]] = frozenset({"error"})
 
 
 @_message("record", **_SHARD, step=_int, updates=_int, version=_int, lag=_int, groups=_int,

@@ -42,10 +42,10 @@ _POLL_MS = 1000
 
 
 class StepFailed(RuntimeError):
-    """The admission consumer failed this step; `ready.record["error"]` says why."""
+    """The admission consumer failed this step; `ready.error` says why."""
 
     def __init__(self, ready: wire.Ready) -> None:
-        super().__init__(f"step {ready.step} of shard {ready.shard} failed:\n{ready.record['error']}")
+        super().__init__(f"step {ready.step} of shard {ready.shard} failed:\n{ready.error or 'its Ready carries no record'}")
         self.ready = ready
 
 
@@ -145,7 +145,7 @@ class TaskWriter:
             if (ready.epoch, ready.step) < (epoch, step):
                 log.info("skipping ready of epoch %d step %d", ready.epoch, ready.step)
                 continue
-            if "error" in ready.record:
+            if ready.error is not None or ready.record is None:
                 raise StepFailed(ready)
             return ready
 

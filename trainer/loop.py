@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class StepRecord:
     def row(self) -> dict[str, Any]:
         """A flat JSON-able dict: step, every SchedulerRecord field, loss, reward_mean,
         step_s, tokens, train; non-finite floats as None."""
-        out = {"step": self.step, **asdict(self.record), "loss": self.loss,
+        out = {"step": self.step, **self.record.fields(), "loss": self.loss,
                "reward_mean": self.reward_mean, "step_s": self.step_s, "tokens": self.tokens,
                "train": dict(self.train)}
         return _finite(out)

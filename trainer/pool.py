@@ -29,16 +29,16 @@ error texts and records travel as UTF-8 bytes in uint8 tensors (never pickled ob
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import fields
 from datetime import timedelta
-from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
+from pipeline.ready import ReadyRecord
 from trainer.objective import Rows
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,9 @@ class Pool:
 
     # ------------------------------------------------------------------ first_reader_batch
 
-    def broadcast(self, rows: Rows | None, record: dict[str, Any] | None) -> tuple[Rows, dict[str, Any]]:
-        """The share's first reader sends `rows` and `record` (JSON-able); the others pass
-        None and receive them. With `share == 1` it returns its arguments."""
+    def broadcast(self, rows: Rows | None, record: ReadyRecord | None) -> tuple[Rows, ReadyRecord]:
+        """The share's first reader sends `rows` and `record` (msgpack, decoded strictly);
+        the others pass None and receive them. With `share == 1` it returns its arguments."""
         if self.share == 1:
             assert rows is not None and record is not None
             return rows, record
@@ -121,7 +121,7 @@ class Pool:
         payload = b""
         if self.first_reader:
             assert rows is not None and record is not None
-            payload = json.dumps(record, allow_nan=True).encode()
+            payload = msgspec.msgpack.encode(record)
             header = _header(rows, len(payload))
         dist.broadcast(header, src=src, group=self.share_group)
         tensors = _receive_buffers(header) if not self.first_reader else _tensors(rows)
@@ -134,7 +134,7 @@ class Pool:
         if self.first_reader:
             return rows, record  # type: ignore[return-value]
         got = Rows(**{name: tensors.get(name) for name in _FIELDS})
-        return got, json.loads(bytes(blob.tolist()).decode())
+        return got, msgspec.msgpack.decode(bytes(blob.tolist()), type=ReadyRecord, strict=True)
 
 
 def _describe(error: BaseException) -> str:

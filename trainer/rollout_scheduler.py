@@ -46,6 +46,7 @@ from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, Schedu
 from pipeline.errors import CommandError
 from pipeline.keys import Keys
 from pipeline.packing import check_support
+from pipeline.ready import ReadyRecord, expand
 from pipeline.redis_io import check, connect, embedded
 from pipeline.scheduler import SchedulerRecord
 from pipeline.sessions import Task
@@ -309,7 +310,8 @@ class RolloutScheduler:
             self.writer.handover(self.epoch, step, self.updates, published)
             try:
                 ready = self._wait_ready(step, start + self.step_timeout_s)
-                check_rows(ready.arrays, step, self.vocab, self.context)
+                arrays = expand(ready.arrays)
+                check_rows(arrays, step, self.vocab, self.context)
             except Exception as exc:  # StepFailed, TimeoutError, a dead consumer, VocabError
                 if self.pool is None:
                     raise
@@ -319,33 +321,28 @@ class RolloutScheduler:
         waited = time.monotonic() - start
         self.step = step
         self.updates += 1
-        rows = Rows.from_arrays(ready.arrays) if ready is not None else None
+        rows = Rows.from_arrays(arrays) if ready is not None else None
         rec = ready.record if ready is not None else None
         if self.pool is not None:
             rows, rec = self.pool.broadcast(rows, rec)
         assert rows is not None and rec is not None
-        record = SchedulerRecord(
-            updates=rec["updates"], version=rec["version"], lag=rec["lag"], groups=rec["groups"],
-            resubmitted=dict(rec["resubmitted"]), cancelled=rec["cancelled"],
-            abandoned=rec["abandoned"], cut=rec["cut"], waited=waited,
-            metrics=dict(rec["metrics"]))
+        record = rec.scheduler_record(waited)
         self.record = record
         self._ended(rec)
         if self._log is not None and self.reader:  # a share's later readers log nothing
             self._log(record)
         return rows
 
-    def _ended(self, rec: dict[str, Any]) -> None:
+    def _ended(self, rec: ReadyRecord) -> None:
         """Which tasks the step trained, left out at packing, or dropped; the task stream
         is told of each."""
-        self.admitted = [(int(g), int(b), str(t)) for g, b, t in rec.get("admitted", ())]
-        packed = {int(g) for g in rec.get("packed", ())}
+        self.admitted = list(rec.admitted)
+        packed = set(rec.packed)
         self.trained = [task for g, _, task in self.admitted if g in packed]
-        dropped = [(int(b), str(t), str(c)) for _, b, t, c in rec.get("dropped", ())]
-        self.dropped = [(t, c) for _, t, c in dropped]
-        self.extra = {k: int(rec.get(k, 0)) for k in ("refused", "surplus", "overlong")}
+        self.dropped = [(t, c) for _, _, t, c in rec.dropped]
+        self.extra = rec.extra
         if self._stream is not None:
-            for batch, task in [(b, t) for _, b, t in self.admitted] + [(b, t) for b, t, _ in dropped]:
+            for batch, task in [(b, t) for _, b, t in self.admitted] + [(b, t) for _, b, t, _ in rec.dropped]:
                 self._stream.ended(batch, task)
 
     def _push(self, variables: Any) -> None:

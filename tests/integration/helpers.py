@@ -68,13 +68,13 @@ class Trainer:
 
 
 def admitted_tasks(readies: Sequence[wire.Ready]) -> list[str]:
-    return [task for ready in readies for _, _, task in ready.record["admitted"]]
+    return [task for ready in readies for _, _, task in ready.record.admitted]
 
 
 def resubmitted(readies: Sequence[wire.Ready]) -> Counter:
     total: Counter = Counter()
     for ready in readies:
-        total.update(ready.record["resubmitted"])
+        total.update(ready.record.resubmitted)
     return +total
 
 

@@ -33,7 +33,7 @@ def main() -> None:
     data = [{"task_id": list(range(2 * i, 2 * i + 2))} for i in range(steps)]
     with RolloutScheduler(None, None, NoPublisher(), width=64, rows=2, groups=2, ahead=0,
                           max_lag=0, redis=config, shard=pool.shard, pool=pool,
-                          step_timeout_s=60, log=lambda rec: logged.append(rec.__dict__)) as sched:
+                          step_timeout_s=60, log=lambda rec: logged.append(rec.fields())) as sched:
         for batch in sched.tasks(data):
             rows.append(int(sched(batch, model).loss_mask.sum()))
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"logged": logged, "rows": rows}, default=str))

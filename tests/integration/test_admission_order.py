@@ -57,6 +57,6 @@ def test_a_handover_behind_a_backlog_of_results_is_applied_after_them(r, keys, r
     later = kinds[kinds.index("handover") + 1:]
     assert later == ["finish"] * 8 + ["publish", "register"]
     ready = wire.from_fields(r.xrange(keys.ready(0))[0][1], wire.Ready)
-    assert ready.step == 0 and ready.record["groups"] == 2
+    assert ready.step == 0 and ready.record.groups == 2
     assert r.xpending(keys.results(0), adm.group)["pending"] == 0
     assert r.xpending(tasks, adm.group)["pending"] == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline import wire
+from pipeline.ready import expand
 from pipeline.sessions import Task
 from producers.tasks import StepFailed
 from tests.integration.helpers import Trainer, admitted_tasks, resubmitted
@@ -44,19 +45,20 @@ def test_processes_run_every_status_path_to_the_records_the_script_implies(procs
     every_task = [f"t{b}.{i}" for b in range(STEPS) for i in range(TASKS)]
     admitted = admitted_tasks(readies)
     assert sorted(admitted) == sorted(set(every_task) - {"t2.0"}), "each group admitted once"
-    assert [ready.record["groups"] for ready in readies] == [3, 3, 2, 3, 3, 3]
-    assert sum(ready.record["abandoned"] for ready in readies) == 1
+    assert [ready.record.groups for ready in readies] == [3, 3, 2, 3, 3, 3]
+    assert sum(ready.record.abandoned for ready in readies) == 1
     assert dict(resubmitted(readies)) == EXPECTED_RESUBMITTED
     for ready in readies:
-        assert "error" not in ready.record
-        assert ready.arrays["tokens"].shape == (8, 64)
-        assert ready.record["cut"] == 0 and ready.record["lag"] <= 1
-        assert ready.arrays["loss_mask"].sum() > 0
-        assert set(ready.record["packed"]) == {g for g, _, _ in ready.record["admitted"]}
+        assert ready.error is None
+        arrays = expand(ready.arrays)
+        assert arrays["tokens"].shape == (8, 64)
+        assert ready.record.cut == 0 and ready.record.lag <= 1
+        assert arrays["loss_mask"].sum() > 0
+        assert set(ready.record.packed) == {g for g, _, _ in ready.record.admitted}
     # the agent error and the scored truncation were admitted with their statuses
-    step3 = readies[3].record["metrics"]
+    step3 = readies[3].record.metrics
     assert step3["share_agent_error"] == pytest.approx(1 / 6)
-    assert readies[2].record["metrics"]["share_truncated"] == pytest.approx(1 / 4)
+    assert readies[2].record.metrics["share_truncated"] == pytest.approx(1 / 4)
     records = [wire.from_fields(f, wire.Record) for _, f in r.xrange(keys.records(0))]
     assert [rec.step for rec in records] == list(range(STEPS))
     dead = [f for _, f in r.xrange(keys.dead)]
@@ -79,7 +81,7 @@ def test_a_source_that_raises_fails_the_step_with_its_traceback(threads, r, keys
     with pytest.raises(StepFailed) as failed:
         trainer.writer.wait_ready(0, 1, 20)
     assert "ScriptedError: environment exploded" in str(failed.value)
-    assert "Traceback" in failed.value.ready.record["error"]
+    assert "Traceback" in failed.value.ready.error
     # a later step of the broken epoch fails too; a new epoch runs again
     trainer.writer.handover(0, 2, 2)
     with pytest.raises(StepFailed):
@@ -87,7 +89,7 @@ def test_a_source_that_raises_fails_the_step_with_its_traceback(threads, r, keys
     again = Trainer(r, keys, epoch=1, first_update=2,
                     batch=lambda b: [Task(f"e1.{b}.{i}") for i in range(2)])
     readies = again.run(2, timeout_s=20)
-    assert [len(ready.record["admitted"]) for ready in readies] == [2, 2]
+    assert [len(ready.record.admitted) for ready in readies] == [2, 2]
 
 
 @pytest.mark.timeout(60)

@@ -211,13 +211,13 @@ def test_over_long_unscored_and_unpackable_rollouts_are_handled_and_visible(thre
         trainer.handover()
         steps.append(trainer.wait(timeout_s=30).record)
     first, second = steps
-    assert first["overlong"] == 1 and first["refused"] == 0
-    assert [t for _, _, t in first["admitted"]] and len(first["packed"]) == 2  # both groups train
-    assert first["resubmitted"]["unscored"] == 1
-    refused_group = [g for g, _, t in second["admitted"] if t == "t1.0"]
-    assert second["refused"] == 1 and second["cut"] == 0
-    assert len(second["packed"]) == 1 and refused_group[0] not in second["packed"]
-    assert second["refused_groups"][0][1].startswith("group of")
+    assert first.overlong == 1 and first.refused == 0
+    assert [t for _, _, t in first.admitted] and len(first.packed) == 2  # both groups train
+    assert first.resubmitted["unscored"] == 1
+    refused_group = [g for g, _, t in second.admitted if t == "t1.0"]
+    assert second.refused == 1 and second.cut == 0
+    assert len(second.packed) == 1 and refused_group[0] not in second.packed
+    assert second.refused_groups[0][1].startswith("group of")
     assert _dead(r, keys) == {}  # none of it is poison
     assert _family(metrics, "rollstream_rollouts_overlong") == 1
     assert _family(metrics, "rollstream_groups_refused") == 1

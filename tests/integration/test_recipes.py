@@ -43,6 +43,7 @@ from consumers.weights import RedisWeights, decode
 from pipeline import wire
 from pipeline.config import AdmissionConfig, ConsumerConfig, build, load
 from pipeline.processes import Process, free_port
+from pipeline.ready import expand
 from tests.conftest import ROOT
 from trainer.config import RunConfig, TrainerConfig
 from trainer.main import batches
@@ -372,7 +373,7 @@ def test_hf_prompts_recipe(tmp_path, redis_url, namespace, r, keys):
                 for p in prompts}
     seen = 0
     for fields in readies:
-        a = wire.from_fields(fields, wire.Ready).arrays
+        a = expand(wire.from_fields(fields, wire.Ready).arrays)
         for row in range(a["tokens"].shape[0]):
             for segment in set(a["segments"][row].tolist()) - {0}:  # 0: padding
                 at = (a["segments"][row] == segment) & ~a["loss_mask"][row]

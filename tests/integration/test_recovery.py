@@ -51,8 +51,8 @@ def test_a_killed_consumer_s_samples_come_back_as_infra_error_attempts(procs, th
     threads.consumer(ScriptedSource(**script), slots=8, block_ms=50, lease_s=1, grace_s=1)
     trainer.handover()
     ready = trainer.wait(timeout_s=20)
-    assert ready.record["resubmitted"]["infra_error"] == 6
-    assert sorted(t for _, _, t in ready.record["admitted"]) == ["t1.0", "t1.1", "t1.2"]
+    assert ready.record.resubmitted["infra_error"] == 6
+    assert sorted(t for _, _, t in ready.record.admitted) == ["t1.0", "t1.1", "t1.2"]
     assert pending_of(r, keys, "doomed") == 0
     trainer.handover()
     trainer.wait()
@@ -125,7 +125,7 @@ def test_a_restarted_admission_rebuilds_exactly_the_state_it_had(threads, r, key
     threads._start(again, "admission")
     trainer.handover()
     ready = trainer.wait(timeout_s=20)
-    assert sorted(t for _, _, t in ready.record["admitted"]) == ["t4.0", "t4.1", "t4.2"]
+    assert sorted(t for _, _, t in ready.record.admitted) == ["t4.0", "t4.1", "t4.2"]
     assert r.hlen(keys.held(0)) <= 6  # batch 4's payloads released, batch 5's held
 
 
@@ -153,7 +153,7 @@ def test_sigterm_hands_every_owned_entry_back_with_a_result(procs, threads, r, k
     threads.consumer(ScriptedSource(**script), slots=8, block_ms=50, lease_s=1, grace_s=1)
     trainer.handover()
     ready = trainer.wait(timeout_s=20)
-    assert ready.record["resubmitted"]["cancelled"] == 6
+    assert ready.record.resubmitted["cancelled"] == 6
     assert "draining 6 sessions" in leaving.output() and "is stuck" in leaving.output()
 
 
@@ -179,5 +179,5 @@ def test_each_shard_reclaims_only_its_own_work_from_a_killed_consumer(procs, thr
         t.handover()
     for shard, t in enumerate(trainers):
         ready = t.wait(timeout_s=20)
-        assert ready.shard == shard and ready.record["resubmitted"]["infra_error"] == 6
-        assert sorted(task for _, _, task in ready.record["admitted"]) == [f"s{shard}.1.{i}" for i in range(3)]
+        assert ready.shard == shard and ready.record.resubmitted["infra_error"] == 6
+        assert sorted(task for _, _, task in ready.record.admitted) == [f"s{shard}.1.{i}" for i in range(3)]

@@ -69,6 +69,6 @@ def test_stream_lengths_stay_bounded_over_a_long_run(threads, r, keys):
     assert longest[keys.weights] <= 6, longest
     assert longest[keys.journal(0)] <= 25 + 4 * per_step, longest
     assert longest["held"] <= 2 * per_step, longest
-    cancels = sum(ready.record["cancelled"] for ready in trainer.readies)
+    cancels = sum(ready.record.cancelled for ready in trainer.readies)
     assert cancels >= steps  # the slow third samples were cancelled as surplus
     assert longest[keys.control] < cancels / 3 and longest["cancelled"] < cancels / 3, longest

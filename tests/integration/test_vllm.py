@@ -28,8 +28,9 @@ from consumers.http import ServerThread
 from consumers.vllm_server import VLLMServer, missing, venv
 from pipeline import wire
 from pipeline.processes import free_port
+from pipeline.ready import expand
 from producers.engines import VLLMPublisher
-from tests.integration.test_recipes import SERVER, records, recipe, run_subs, watching
+from tests.integration.test_recipes import SERVER, recipe, records, run_subs, watching
 from trainer.hf_dir import write_model_dir
 
 WHY = missing()
@@ -71,7 +72,7 @@ def test_vllm_recipe(tmp_path, redis_url, namespace, r, keys):
         assert train["mismatch_abs"] < CLOSE and train["mismatch_over"] == 0.0, train
     print("mismatch_abs per step:", [row["train"]["mismatch_abs"] for row in rows])
     # the trained rows carry each step's version, sampled by vLLM
-    versions = [wire.from_fields(f, wire.Ready).arrays for f in readies]
+    versions = [expand(wire.from_fields(f, wire.Ready).arrays) for f in readies]
     assert [sorted(set(a["versions"][a["loss_mask"]].tolist())) for a in versions] == [[s] for s in range(steps)]
     # what vLLM served at the end is the last pushed directory's weights
     assert gap(served, hf(run.cwd / "weights" / f"v{last}"), LONG[:40]) < CLOSE

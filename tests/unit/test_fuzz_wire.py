@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from consumers.admission import _named_attempt
 from pipeline import wire
-from pipeline.sessions import Status
+from pipeline.sessions import Status, Task
 from pipeline.wire import SchemaError, decode, encode, from_fields
 from tests.unit.test_wire import MESSAGES, msgpack_values, paths
 
@@ -226,7 +226,7 @@ def test_a_shape_claiming_more_than_the_message_carries_is_refused():
     """Found by the fuzzing: an empty array whose other sides are huge, or a support as wide
     as 2**40 tokens over chains without completion tokens, made numpy raise (or try to
     allocate terabytes) instead of refusing the message."""
-    ready = msgpack.unpackb(encode(wire.Ready(0, 0, 0, 0, {}, {})), raw=False)
+    ready = msgpack.unpackb(encode(wire.Ready(0, 0, 0, 0, {}, None)), raw=False)
     ready["arrays"] = {"a": {"dtype": "<i4", "shape": [0, 2**62], "data": b""}}
     with pytest.raises(SchemaError) as info:
         decode(msgpack.packb(ready, use_bin_type=True))
@@ -245,6 +245,6 @@ def test_a_shape_claiming_more_than_the_message_carries_is_refused():
 def test_nan_in_free_form_data_round_trips():
     """Found by the fuzzing: a NaN inside a task payload or a step's record decoded, but the
     message then compared unequal to itself."""
-    msg = wire.Ready(0, 0, 0, 0, {}, {"x": [math.nan], "y": {"z": math.nan}})
+    msg = wire.Registration(0, 0, 0, (Task("t", {"x": [math.nan], "y": {"z": math.nan}}),))
     assert decode(encode(msg)) == msg
-    assert wire.Ready(0, 0, 0, 0, {}, {"x": 1.0}) != wire.Ready(0, 0, 0, 0, {}, {"x": math.nan})
+    assert wire.Open(0, 0, {"x": 1.0}) != wire.Open(0, 0, {"x": math.nan})

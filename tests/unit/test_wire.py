@@ -10,6 +10,7 @@ from hypothesis.extra import numpy as hnp
 from pipeline import wire
 from pipeline.chains import merge_calls, merge_ratio
 from pipeline.packing import Rollout
+from pipeline.ready import ReadyRecord
 from pipeline.sessions import Call, Session, Status, Task
 from pipeline.wire import (
     SCHEMA_VERSION,
@@ -75,6 +76,7 @@ EXAMPLES = [
     Weights(3, "s3://bucket/v3", "sha256:abc", 123),
     Open(1, 4, {"groups": 8, "max_lag": 2, "admission": "stream", "timeout_s": None}),
     Record(0, 1, 2, 2, 1, 1, 4, {}, 3, 0, 1, 0.25, {}, refused=1, surplus=2, overlong=3),
+    Ready(0, 1, 3, 3, {}, None, error="Traceback ...\nBoom"),
     Ready(0, 1, 2, 2, {
         "tokens": np.arange(12, dtype=np.int32).reshape(3, 4),
         "advantages": np.linspace(-1, 1, 8, dtype=np.float32),
@@ -84,7 +86,8 @@ EXAMPLES = [
         "bytes": np.arange(4, dtype=np.uint8),
         "scalar": np.array(2.5, dtype=np.float32),
         "empty": np.zeros((0, 3), dtype=np.int32),
-    }, {"step": 2, "lag": 0, "nested": {"a": [1, 2]}}),
+    }, ReadyRecord(updates=2, version=2, lag=0, groups=1, resubmitted={"stale": 1}, cancelled=0, abandoned=0,
+                   cut=0, waited=0.5, metrics={"reward_mean": 0.5}, admitted=((4, 1, "t1.0"),), packed=(4,))),
     Record(0, 1, 2, 2, 1, 1, 4, {"stale": 2, "infra_error": 1}, 3, 0, 1, 0.25, {"reward_mean": 0.5}),
 ]
 
@@ -175,7 +178,7 @@ def test_arrays_travel_as_packed_little_endian_bytes():
 
 def test_big_endian_arrays_are_sent_little_endian():
     arr = np.arange(3, dtype=">i8")
-    msg = Ready(0, 0, 0, 0, {"a": arr}, {})
+    msg = Ready(0, 0, 0, 0, {"a": arr}, None)
     assert raw(msg)["arrays"]["a"]["dtype"] == "<i8"
     out = decode(encode(msg)).arrays["a"]
     assert out.dtype == np.dtype("<i8") and out.tolist() == [0, 1, 2]
@@ -307,7 +310,7 @@ def test_garbage_non_map_and_oversize():
 
 
 def test_oversize_encode():
-    msg = Ready(0, 0, 0, 0, {"a": np.zeros(1000, np.float64)}, {})
+    msg = Ready(0, 0, 0, 0, {"a": np.zeros(1000, np.float64)}, None)
     with pytest.raises(SchemaError) as info:
         encode(msg, max_bytes=4000)
     assert info.value.field == "message" and "exceeds" in info.value.reason
@@ -569,13 +572,13 @@ def test_ready_arrays():
 def test_ready_refuses_object_dtype_on_encode():
     for bad in (np.array([object(), 1], dtype=object), np.array(["ab"]), np.array([1 + 2j])):
         with pytest.raises(SchemaError) as info:
-            encode(Ready(0, 0, 0, 0, {"bad": bad}, {}))
+            encode(Ready(0, 0, 0, 0, {"bad": bad}, None))
         assert info.value.field == "arrays.bad.dtype"
     with pytest.raises(SchemaError) as info:
-        encode(Ready(0, 0, 0, 0, {"x": np.array([1.0, np.inf])}, {}))
+        encode(Ready(0, 0, 0, 0, {"x": np.array([1.0, np.inf])}, None))
     assert info.value.field == "arrays.x.data"
     with pytest.raises(SchemaError) as info:
-        encode(Ready(0, 0, 0, 0, {"x": [1, 2]}, {}))
+        encode(Ready(0, 0, 0, 0, {"x": [1, 2]}, None))
     assert info.value.field == "arrays.x"
 
 
@@ -643,7 +646,17 @@ MESSAGES = {  # a strategy per message kind
         st.none() | st.text(max_size=8), st.dictionaries(names, nonneg, max_size=3), st.none() | st.text(max_size=30),
     ),
     Weights: st.builds(Weights, u, st.text(min_size=1, max_size=8), st.text(max_size=8), u),
-    Ready: st.builds(Ready, small, small, small, small, arrays, st.dictionaries(names, native, max_size=3)),
+    Ready: st.builds(
+        Ready, small, small, small, small, arrays,
+        st.none() | st.builds(
+            ReadyRecord, updates=small, version=small, lag=small, groups=small,
+            resubmitted=st.dictionaries(names, small, max_size=3), cancelled=small, abandoned=small, cut=small,
+            waited=nonneg, metrics=st.dictionaries(names, finite, max_size=3), refused=small,
+            admitted=st.lists(st.tuples(small, small, st.text(max_size=8)), max_size=3).map(tuple),
+            packed=st.lists(small, max_size=3).map(tuple),
+            dropped=st.lists(st.tuples(small, small, st.text(max_size=8), st.sampled_from(wire.CAUSES)),
+                             max_size=2).map(tuple)),
+        st.none() | st.text(max_size=30)),
     Record: st.builds(
         Record, *[small] * 7, st.dictionaries(names, small, max_size=3), small, small, small, nonneg,
         st.dictionaries(names, finite, max_size=3),

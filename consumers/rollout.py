@@ -60,6 +60,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -123,6 +124,55 @@ class _Owned:
             return True
 
 
+@dataclass(eq=False)
+class _Publication:
+    """A finished session's result entry (and dead letter), waiting for its commit."""
+
+    owned: _Owned
+    fields: dict
+    dead: dict | None
+    done: bool = False
+    error: BaseException | None = None
+
+
+class _GroupCommit:
+    """Publications committed in batches: a session thread that finds no commit in flight
+    commits every publication queued so far (its own included) in one transaction; the
+    others wait for it, then the next one commits what queued meanwhile. An idle consumer
+    thus commits each result at once, a busy one one transaction per round trip instead
+    of one per session. `publish` returns once its publication is committed; it raises
+    what the commit raised."""
+
+    def __init__(self, commit: Callable[[Sequence[_Publication]], None]) -> None:
+        self._commit = commit
+        self._cond = threading.Condition()
+        self._queue: list[_Publication] = []
+        self._busy = False
+
+    def publish(self, p: _Publication) -> None:
+        with self._cond:
+            self._queue.append(p)
+            while not p.done:
+                if self._busy:
+                    self._cond.wait()
+                    continue
+                batch, self._queue, self._busy = self._queue, [], True
+                error = None
+                self._cond.release()
+                try:
+                    self._commit(batch)
+                except BaseException as exc:  # noqa: BLE001 (every waiter of the batch raises it)
+                    error = exc
+                finally:
+                    self._cond.acquire()
+                    for q in batch:
+                        q.done, q.error = True, error
+                    self._busy = False
+                    self._cond.notify_all()
+        if p.error is not None:
+            raise p.error
+
+
 class RolloutConsumer:
     """See the module docstring. `run(stop)` works until `stop` is set, then drains."""
 
@@ -149,6 +199,7 @@ class RolloutConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._quit = threading.Event()  # stops the background threads
+        self._publisher = _GroupCommit(self._commit)
 
     # ------------------------------------------------------------------ public
 
@@ -410,37 +461,32 @@ class RolloutConsumer:
         if not o.claim_publication():
             return
         fields, dead = self._result_fields(o, session, error)
-        w = o.work
-
-        def commit() -> None:
-            pipe = self.r.pipeline(transaction=True)
-            pipe.xadd(self.keys.results(w.shard), fields)
-            if dead is not None:
-                pipe.xadd(self.keys.dead, dead)
-            pipe.xack(self.keys.work, WORK_GROUP, o.entry_id)
-            pipe.execute()
-
-        self._deliver(o, commit)
+        self._publisher.publish(_Publication(o, fields, dead))
         self.stats[f"results_{session.status.value}"] += 1
         self._release(o)
 
-    def _deliver(self, o: _Owned, commit: Callable[[], None]) -> None:
-        """Run `commit` (the result's MULTI/EXEC, which also XACKs the work entry) until it
-        is known to have applied, through outages of up to `reconnect_s`. After a failure
-        the EXEC may have applied with its reply lost, so before trying again the entry must
-        still be pending under this consumer's name: if not, it was acknowledged by that EXEC
-        (or reclaimed by the admission consumer, which already finished the attempt), and
-        publishing again would only append a duplicate."""
-        outage = Outage(f"consumer {self.name} publishing {_member(o.work)}",
-                        self.config.redis.reconnect_s)
+    def _commit(self, batch: Sequence[_Publication]) -> None:
+        """Append the results of `batch` and acknowledge their work entries in ONE
+        MULTI/EXEC, until it is known to have applied, through outages of up to
+        `reconnect_s`. After a failure the EXEC may have applied with its reply lost, so
+        before trying again an entry must still be pending under this consumer's name: if
+        not, it was acknowledged by that EXEC (or reclaimed by the admission consumer, which
+        already finished the attempt), and publishing it again would only append a
+        duplicate. (Sessions that end while a commit is in flight share the next one.)"""
+        outage = Outage(f"consumer {self.name} publishing {len(batch)} results", self.config.redis.reconnect_s)
         while True:
             try:
-                if outage.failures and not self._pending_here(o.entry_id):
-                    log.info("consumer %s: %s is no longer pending here; not publishing it again",
-                             self.name, _member(o.work))
-                    self.stats["republish_skipped"] += 1
-                    return
-                commit()
+                if outage.failures:
+                    batch = self._still_pending(batch)
+                    if not batch:
+                        return
+                pipe = self.r.pipeline(transaction=True)
+                for p in batch:
+                    pipe.xadd(self.keys.results(p.owned.work.shard), p.fields)
+                    if p.dead is not None:
+                        pipe.xadd(self.keys.dead, p.dead)
+                pipe.xack(self.keys.work, WORK_GROUP, *(p.owned.entry_id for p in batch))
+                pipe.execute()
                 outage.ended()
                 return
             except FATAL:
@@ -449,10 +495,18 @@ class RolloutConsumer:
                 self.stats["publish_retries"] += 1
                 time.sleep(outage.failed(exc))
 
-    def _pending_here(self, entry_id: bytes) -> bool:
-        page = self.r.xpending_range(self.keys.work, WORK_GROUP, min=entry_id, max=entry_id,
-                                     count=1, consumername=self.name)
-        return bool(page)
+    def _still_pending(self, batch: Sequence[_Publication]) -> list[_Publication]:
+        pipe = self.r.pipeline(transaction=False)
+        for p in batch:
+            pipe.xpending_range(self.keys.work, WORK_GROUP, min=p.owned.entry_id, max=p.owned.entry_id,
+                                count=1, consumername=self.name)
+        kept = [p for p, page in zip(batch, pipe.execute()) if page]
+        for p in batch:
+            if not any(p is k for k in kept):
+                log.info("consumer %s: %s is no longer pending here; not publishing it again",
+                         self.name, _member(p.owned.work))
+                self.stats["republish_skipped"] += 1
+        return kept
 
     def _result_fields(self, o: _Owned, session: Session, error: str | None) -> tuple[dict, dict | None]:
         """The result entry (the session's calls merged into chains here, so a repeated prompt

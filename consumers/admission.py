@@ -146,12 +146,16 @@ class _Txn:
         self.observe: list[Callable[[Metrics], None]] = []  # metrics, applied once committed
         self.held: dict[str, bytes | None] = {}
         self.acks: dict[tuple[str, str], list[bytes]] = defaultdict(list)
-        self.transitions = 0
+        self.journal: list[tuple[Event, float]] = []  # the transitions' events and times, in order
         self.bytes = 0  # payload bytes staged
 
     def xadd(self, stream: str, fields: dict[bytes, bytes]) -> None:
         self.bytes += sum(len(v) for v in fields.values())
         self.pipe.xadd(stream, fields)
+
+    @property
+    def transitions(self) -> int:
+        return len(self.journal)
 
     @property
     def full(self) -> bool:
@@ -161,7 +165,7 @@ class _Txn:
         self.acks[(stream, group)].append(entry_id)
 
     def __len__(self) -> int:
-        return len(self.pipe) + sum(map(len, self.acks.values()))
+        return len(self.pipe) + len(self.journal) + sum(map(len, self.acks.values()))
 
 
 class Admission:
@@ -424,8 +428,7 @@ class Admission:
         result of a Finish and its decoded rollout, held if the scheduler admits it."""
         now = self.clock()
         actions = self.sched.handle(event, now)
-        txn.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_event(event, now)})
-        txn.transitions += 1
+        txn.journal.append((event, now))
         self.stats["transitions"] += 1
         if isinstance(event, (Open, Close)):
             self._drop_epochs(txn, keep=self.sched.epoch if isinstance(event, Open) else None)
@@ -448,8 +451,7 @@ class Admission:
         actions = self.sched.handle(Tick(), now)
         if not actions:
             return 0
-        txn.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_event(Tick(), now)})
-        txn.transitions += 1
+        txn.journal.append((Tick(), now))
         for action in actions:
             self._carry_out(txn, action, now)
         txn.observe.append(lambda m: m.observe_actions(self.shard, actions))
@@ -468,9 +470,11 @@ class Admission:
         for (stream, group), ids in txn.acks.items():
             txn.pipe.xack(stream, group, *ids)
         snapshot = self._since_snapshot + txn.transitions >= self.snapshot_every
-        if snapshot:
+        if snapshot:  # it covers this transaction's events too
             txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
             txn.pipe.delete(self.keys.journal(self.shard))
+        elif txn.journal:  # the transaction's events, in order, in one entry
+            txn.pipe.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_events(txn.journal)})
         self.fence.renew_in(txn.pipe)
         self._execute(txn)
         self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions

@@ -13,7 +13,10 @@ The journal is bounded by snapshots: every `snapshot_every` transitions the tran
 writes a fresh snapshot and deletes the journal (the snapshot covers it). A snapshot is
 msgpack (`Scheduler.snapshot`), never pickle.
 
-Journal entries are msgpack maps `{"t": kind, "n": now, ...}` in one field `e`.
+Journal entries are msgpack maps `{"t": kind, "n": now, ...}` in one field `e`; a
+transaction journals its events in ONE entry whose `e` is the array of their maps, in order
+(`encode_events`), so a batch of transitions costs one encode and one XADD. `load` reads
+both forms.
 """
 
 from __future__ import annotations
@@ -61,6 +64,17 @@ def encode_event(event: Event, now: float) -> bytes:
     return msgpack.packb({"n": float(now), **_fields(event)}, use_bin_type=True)
 
 
+def encode_events(events: list[tuple[Event, float]]) -> bytes:
+    """The journal bytes of several events applied in order (one entry for a transaction)."""
+    return msgpack.packb([{"n": float(now), **_fields(event)} for event, now in events], use_bin_type=True)
+
+
+def decode_entry(data: bytes) -> list[tuple[Event, float]]:
+    """The events and their `now` of one journal entry (one event, or a transaction's)."""
+    d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    return [_event(x) for x in d] if isinstance(d, list) else [_event(d)]
+
+
 def _fields(event: Event) -> dict:
     if isinstance(event, Finish):
         k = event.key
@@ -84,8 +98,11 @@ def _fields(event: Event) -> dict:
 
 
 def decode_event(data: bytes) -> tuple[Event, float]:
-    """The event and `now` of one journal entry."""
-    d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    """The event and `now` of a journal entry of one event."""
+    return _event(msgpack.unpackb(data, raw=False, strict_map_key=False))
+
+
+def _event(d: dict) -> tuple[Event, float]:
     kind, now = d["t"], d["n"]
     if kind == "finish":
         return Finish(SampleKey(*d["k"]), Status(d["s"]), d["r"], d["o"], d["x"]), now
@@ -138,6 +155,12 @@ def _entries(r: redis.Redis, stream: str) -> Iterator[tuple[bytes, dict]]:
         start = "(" + page[-1][0].decode()
 
 
+def events(r: redis.Redis, keys: Keys, shard: int) -> Iterator[tuple[Event, float]]:
+    """The journal's events and their `now`, in order."""
+    for _, fields in _entries(r, keys.journal(shard)):
+        yield from decode_entry(fields[FIELD])
+
+
 def load(r: redis.Redis, keys: Keys, shard: int, config: SchedulerConfig) -> tuple[Scheduler, int]:
     """The scheduler as the snapshot and journal leave it, and the journal's length."""
     raw = r.hget(keys.state(shard), SNAPSHOT)
@@ -146,8 +169,7 @@ def load(r: redis.Redis, keys: Keys, shard: int, config: SchedulerConfig) -> tup
     else:
         sched = Scheduler.restore(config, msgpack.unpackb(raw, raw=False, strict_map_key=False))
     replayed = 0
-    for _, fields in _entries(r, keys.journal(shard)):
-        event, now = decode_event(fields[FIELD])
+    for event, now in events(r, keys, shard):
         sched.handle(event, now)
         replayed += 1
     log.info("shard %d: restored %s and replayed %d journal entries (epoch %d, %d in flight)",

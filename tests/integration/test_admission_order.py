@@ -4,9 +4,9 @@ handover): an event is never applied before entries that reached Redis earlier."
 
 import time
 
-import msgpack
 import pytest
 
+from consumers import journal
 from consumers.admission import Admission
 from pipeline import wire
 from pipeline.config import AdmissionConfig, build
@@ -25,7 +25,7 @@ def _result(group: int, sample: int) -> dict:
 
 
 def _journal(r, keys) -> list[str]:
-    return [msgpack.unpackb(fields[b"e"])["t"] for _, fields in r.xrange(keys.journal(0))]
+    return [type(event).__name__.lower() for event, _ in journal.events(r, keys, 0)]
 
 
 @pytest.mark.parametrize("read_count", [3, 256])

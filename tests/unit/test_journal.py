@@ -2,7 +2,13 @@
 
 import pytest
 
-from consumers.journal import JournalError, decode_event, encode_event
+from consumers.journal import (
+    JournalError,
+    decode_entry,
+    decode_event,
+    encode_event,
+    encode_events,
+)
 from pipeline.scheduler import (
     Close,
     Finish,
@@ -38,3 +44,9 @@ def test_an_unknown_entry_is_refused():
 
     with pytest.raises(JournalError, match="unknown"):
         decode_event(msgpack.packb({"t": "teleport", "n": 0.0}))
+
+
+def test_a_transactions_events_are_one_entry_in_order():
+    timed = [(event, 1000.0 + i) for i, event in enumerate(EVENTS)]
+    assert decode_entry(encode_events(timed)) == timed
+    assert decode_entry(encode_event(EVENTS[0], 1.5)) == [(EVENTS[0], 1.5)]  # an entry of one event

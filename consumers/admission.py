@@ -9,18 +9,21 @@ a scheduler event; and carries out the actions:
 |-------------|--------|
 | Submit      | XADD `work` a `wire.Work` (deadline on the wall clock: `now` is `time.time()`) |
 | Cancel      | XADD `control` a `wire.Cancel`, and ZADD the attempt to `cancelled:{shard}` |
-| Discard     | HDEL the attempt's held payload (a superseded result was never held) |
-| Emit        | pack the held payloads, XADD `ready:{shard}` a `wire.Ready`, `records:{shard}` a `wire.Record` |
-| Fail        | XADD `ready:{shard}` a `wire.Ready` whose record is `{"error": traceback}` |
+| Discard     | HDEL the attempt's held result (a superseded result was never held) |
+| Emit        | pack the held results, XADD `ready:{shard}` a `wire.Ready`, `records:{shard}` a `wire.Record` |
+| Fail        | XADD `ready:{shard}` a `wire.Ready` with the `error` (a traceback) |
 | Abandon     | counted and logged |
 | PushWeights | logged: the distributed trainer publishes itself and reports `published` |
 
 Delivery: every read batch is one `MULTI/EXEC` holding, for each transition in order, its
 appended entries, its journal entry (the event and its `now`, see `consumers.journal`), its
-held-payload writes (one HSET at the end for all of them) and the `XACK` of its input. A kill -9 anywhere leaves either all of it
+held-result writes (one HSET at the end for all of them) and the `XACK` of its input. A kill -9 anywhere leaves either all of it
 or none of it; what was not committed is still pending in the group and is processed again
 on restart, after the machine is rebuilt from the snapshot and the journal. An admitted
-result's payload is held in `held:{shard}` until its step is emitted.
+result is held in `held:{shard}` until its step is emitted, by reference: the hash holds
+the id of its entry of `results:{shard}` (`REF` then the id), and trimming keeps the stream
+from the lowest id held (`trim`). Only a result cut to the row width, which no entry holds
+as cut, is held as its encoded payload.
 
 Leases: rollout consumers hold their work as pending entries of the `work` stream's
 `WORK_GROUP` and renew them by re-claiming. Every `lease_s / 2` this consumer lists entries
@@ -125,6 +128,11 @@ COMMIT_BYTES = 8 * 1024 * 1024
 COMMIT_TRANSITIONS = 256
 RECORDS_MAXLEN = 10_000
 DEAD_MAXLEN = 10_000
+
+
+REF = b"@"
+"""A held value that starts with this is `REF` + the id of the result's entry of
+`results:{shard}` (a payload is a msgpack map, which never starts with it)."""
 
 
 def member(key: SampleKey) -> str:
@@ -365,7 +373,9 @@ class Admission:
             self.stats["dropped"] += 1
             log.info("shard %d: dropped %s %s: %s", self.shard, msg.KIND, text(entry_id), event)
         else:
-            held = (payload, msg.rollout()) if isinstance(msg, wire.Result) else None
+            held = None
+            if isinstance(msg, wire.Result):  # the entry itself, unless cut to the row width
+                held = (REF + entry_id if payload is fields[wire.FIELD] else payload, msg.rollout())
             self._apply(txn, event, held)
         if isinstance(msg, wire.Result):
             duration = _duration(msg.timings)
@@ -424,8 +434,9 @@ class Admission:
 
     def _apply(self, txn: _Txn, event: Event,
                payload: tuple[bytes, Rollout] | None = None) -> list[Action]:
-        """Apply `event` now, journal it and stage its effects. `payload` is the encoded
-        result of a Finish and its decoded rollout, held if the scheduler admits it."""
+        """Apply `event` now, journal it and stage its effects. `payload` is what holds the
+        result of a Finish (a reference to its entry, or its encoded payload) and its
+        decoded rollout, held if the scheduler admits it."""
         now = self.clock()
         actions = self.sched.handle(event, now)
         txn.journal.append((event, now))
@@ -612,16 +623,27 @@ class Admission:
         payloads, those this transaction wrote, then Redis."""
         out = {k: self._decoded[member(k)] for k in keys if member(k) in self._decoded}
         rest = [k for k in keys if k not in out]
-        for k in [k for k in rest if txn.held.get(member(k)) is not None]:
-            out[k] = _rollout(txn.held[member(k)])
-        rest = [k for k in rest if k not in out]
-        if rest:
-            values = self.r.hmget(self.keys.held(self.shard), [member(k) for k in rest])
-            for key, value in zip(rest, values):
-                if value is None:
-                    raise RuntimeError(f"shard {self.shard}: the held payload of admitted {key} is missing")
-                out[key] = _rollout(value)
+        staged = {k: txn.held[member(k)] for k in rest if txn.held.get(member(k)) is not None}
+        rest = [k for k in rest if k not in staged]
+        values = self.r.hmget(self.keys.held(self.shard), [member(k) for k in rest]) if rest else []
+        for key, value in [*staged.items(), *zip(rest, values)]:
+            payload = self._held_payload(value)
+            if payload is None:
+                raise RuntimeError(f"shard {self.shard}: the held result of admitted {key} is missing")
+            out[key] = _rollout(payload)
         return out
+
+    def _held_payload(self, value: bytes | None) -> bytes | None:
+        """The encoded result a held value stands for (read from its entry for a reference)."""
+        if value is None or not value.startswith(REF):
+            return value
+        entry = self.r.xrange(self.keys.results(self.shard), min=value[len(REF):], max=value[len(REF):])
+        return entry[0][1].get(wire.FIELD) if entry else None
+
+    def _held_from(self) -> str | None:
+        """The lowest entry id of `results:{shard}` a held result refers to (None: none)."""
+        ids = [text(v[len(REF):]) for v in self.r.hvals(self.keys.held(self.shard)) if v.startswith(REF)]
+        return min(ids, key=parse_id, default=None)
 
     # ------------------------------------------------------------------ refusals
 
@@ -729,8 +751,10 @@ class Admission:
     def trim(self) -> None:
         """Trim every stream this shard reads or writes (see `consumers.trimming`)."""
         k, shard = self.keys, self.shard
-        for stream in (k.tasks(shard), k.results(shard), k.work, k.ready(shard)):
+        for stream in (k.tasks(shard), k.work, k.ready(shard)):
             trimming.trim_acknowledged(self.r, stream)
+        # acknowledged results still held (by reference) until their step is emitted are kept
+        trimming.trim_acknowledged(self.r, k.results(shard), keep_from=self._held_from())
         trimming.trim_acknowledged(self.r, k.weights, keep_last=True)
         trimming.trim_by_age(self.r, k.control, self.control_retention_s)
         self.r.zremrangebyscore(k.cancelled(shard), "-inf", self.clock() - self.control_retention_s)

@@ -41,12 +41,16 @@ def safe_minid(r: redis.Redis, stream: str) -> str | None:
     return min(bounds, key=parse_id) if bounds else None
 
 
-def trim_acknowledged(r: redis.Redis, stream: str, *, keep_last: bool = False) -> int:
+def trim_acknowledged(r: redis.Redis, stream: str, *, keep_last: bool = False,
+                      keep_from: str | None = None) -> int:
     """Trim `stream` below `safe_minid`; with `keep_last`, never its newest entry (a reader
-    joining later learns the current value from it). Returns the entries removed."""
+    joining later learns the current value from it); with `keep_from`, no entry from that id
+    on (entries acknowledged but still referred to). Returns the entries removed."""
     bound = safe_minid(r, stream)
     if bound is None:
         return 0
+    if keep_from is not None:
+        bound = min(bound, keep_from, key=parse_id)
     if keep_last:
         last = r.xrevrange(stream, count=1)
         if last:

@@ -72,3 +72,51 @@ def test_stream_lengths_stay_bounded_over_a_long_run(threads, r, keys):
     cancels = sum(ready.record.cancelled for ready in trainer.readies)
     assert cancels >= steps  # the slow third samples were cancelled as surplus
     assert longest[keys.control] < cancels / 3 and longest["cancelled"] < cancels / 3, longest
+
+
+@pytest.mark.timeout(60)
+def test_results_held_by_reference_are_kept_by_trimming_until_their_step_is_emitted(r, keys, redis_config):
+    """An admitted result is held as a reference to its entry of the results stream: that
+    entry, acknowledged, stays through trimming until its step is emitted, and a rebuilt
+    admission packs it from there."""
+    from consumers.admission import REF, Admission
+    from pipeline import wire
+    from pipeline.config import AdmissionConfig, build
+    from pipeline.ready import expand
+    from pipeline.sessions import Call, Session, Status, Task
+
+    scheduler = {"admission": "stream", "groups": 4, "batch_size": 2, "admit": 2, "max_lag": 1,
+                 "width": 64, "rows": 4}
+    config = build(AdmissionConfig, {"redis": redis_config.model_dump(), "scheduler": scheduler,
+                                     "block_ms": 1, "trim_every_s": 3600.0, "lease_s": 3600.0})
+    adm = Admission(config, r, snapshot_every=10_000)
+    r.xadd(keys.tasks(0), wire.to_fields(wire.Open(0, 0)))
+    r.xadd(keys.tasks(0), wire.to_fields(wire.Registration(0, 0, 0, (Task("a"), Task("b")))))
+    while adm.poll_once(1):
+        pass
+    ids = []
+    for group in range(2):
+        for sample in range(4):
+            session = Session(Status.COMPLETED, float(sample % 2),
+                              calls=[Call([1, 2], [3, 4 + group], [-0.5, -0.25], 0)],
+                              timings={"started": 0.0, "finished": 1.0})
+            result = wire.Result.from_session(0, 0, group, sample, 0, session, "test")
+            ids.append(r.xadd(keys.results(0), wire.to_fields(result)))
+    while adm.poll_once(1):
+        pass
+    held = r.hgetall(keys.held(0))
+    assert sorted(held.values()) == sorted(REF + i for i in ids)  # references, not payloads
+    assert r.xpending(keys.results(0), adm.group)["pending"] == 0  # acknowledged
+    adm.trim()
+    assert [i for i, _ in r.xrange(keys.results(0))] == ids  # kept: still held
+    adm._rebuild()  # as after a restart: nothing decoded in memory
+    r.xadd(keys.tasks(0), wire.to_fields(wire.Handover(0, 0, 0, 0, None)))
+    while adm.poll_once(1):
+        pass
+    ready = wire.from_fields(r.xrange(keys.ready(0))[0][1], wire.Ready)
+    assert ready.error is None and sorted(ready.record.packed) == [0, 1]
+    tokens = expand(ready.arrays)["tokens"]
+    assert sorted(tokens[tokens > 0].tolist()) == sorted([1, 2, 3, 4] * 4 + [1, 2, 3, 5] * 4)
+    assert r.hlen(keys.held(0)) == 0
+    adm.trim()
+    assert r.xlen(keys.results(0)) == 0  # emitted: nothing holds them any more

@@ -52,6 +52,7 @@ import asyncio
 import logging
 import math
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -173,6 +174,43 @@ class _GroupCommit:
             raise p.error
 
 
+class _SessionThreads:
+    """Daemon threads that run sessions (`run(owned)`), started when none is idle and then
+    kept: a session starts on an idle thread, not on a thread started for it. There are as
+    many as sessions ever ran at once (the slots; a session stuck past its cancel keeps its
+    thread). `close` ends the idle ones."""
+
+    def __init__(self, name: str, run: Callable[[_Owned], None]) -> None:
+        self._name, self._run = name, run
+        self._queue: queue.SimpleQueue[_Owned | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = self._started = 0
+
+    def start(self, o: _Owned) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if spawn:
+                self._started += 1
+            else:  # an idle thread takes it
+                self._idle -= 1
+        self._queue.put(o)
+        if spawn:
+            threading.Thread(target=self._work, name=f"{self._name}-session-{self._started}",
+                             daemon=True).start()
+
+    def _work(self) -> None:
+        while (o := self._queue.get()) is not None:
+            self._run(o)
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, 0
+        for _ in range(idle):
+            self._queue.put(None)
+
+
 class RolloutConsumer:
     """See the module docstring. `run(stop)` works until `stop` is set, then drains."""
 
@@ -200,6 +238,7 @@ class RolloutConsumer:
         self._threads: list[threading.Thread] = []
         self._quit = threading.Event()  # stops the background threads
         self._publisher = _GroupCommit(self._commit)
+        self._sessions = _SessionThreads(self.name, lambda o: self._guarded(self._session, o))
 
     # ------------------------------------------------------------------ public
 
@@ -336,7 +375,7 @@ class RolloutConsumer:
             raise
         for o in owned:
             if o not in skipped:
-                self._spawn(self._session, o, name=f"{o.work.group}.{o.work.sample}.{o.work.attempt}")
+                self._sessions.start(o)
 
     def _dead_letter_work(self, pipe: redis.client.Pipeline, entry_id: bytes, fields: dict,
                           exc: wire.SchemaError) -> None:
@@ -602,6 +641,7 @@ class RolloutConsumer:
 
     def _shutdown(self) -> None:
         self._quit.set()
+        self._sessions.close()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         for thread in self._threads:

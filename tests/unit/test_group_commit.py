@@ -1,4 +1,5 @@
-"""The rollout consumer's group commit of results (`consumers.rollout._GroupCommit`)."""
+"""The rollout consumer's group commit of results (`consumers.rollout._GroupCommit`) and
+its session threads (`_SessionThreads`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 
 import pytest
 
-from consumers.rollout import _GroupCommit, _Publication
+from consumers.rollout import _GroupCommit, _Publication, _SessionThreads
 
 
 def _publication(i: int) -> _Publication:
@@ -50,3 +51,28 @@ def test_every_publication_of_a_failed_commit_raises():
 
     with pytest.raises(RuntimeError, match="fenced"):
         _GroupCommit(commit).publish(_publication(0))
+
+
+def test_sessions_reuse_idle_threads_and_start_one_when_none_is_idle():
+    ran: list[tuple[int, str]] = []
+    release, done = threading.Event(), threading.Semaphore(0)
+
+    def run(o):
+        if o == "slow":
+            assert release.wait(10)
+        ran.append((o, threading.current_thread().name))
+        done.release()
+
+    threads = _SessionThreads("c", run)
+    for i in range(3):  # one after another: one thread
+        threads.start(i)
+        assert done.acquire(timeout=10)
+    threads.start("slow")  # busy while the next starts: a second thread
+    threads.start(3)
+    assert done.acquire(timeout=10)
+    release.set()
+    assert done.acquire(timeout=10)
+    names = dict(ran)
+    assert names[0] == names[1] == names[2] and names["slow"] != names[3]
+    assert {names[0], names[3], names["slow"]} == {"c-session-1", "c-session-2"}
+    threads.close()

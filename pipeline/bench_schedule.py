@@ -59,6 +59,7 @@ from pipeline import wire
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
 from pipeline.keys import Keys
 from pipeline.processes import Process
+from pipeline.ready import ReadyRecord
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.scheduler import CAUSES
 from pipeline.sessions import Status, Task
@@ -154,7 +155,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
     redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
     keys = Keys(namespace)
     r = connect(redis_config)
-    records: list[dict] = []
+    records: list[ReadyRecord] = []
     waited = 0.0
     try:
         with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload) as procs:
@@ -222,7 +223,7 @@ def _results(r, keys: Keys) -> Iterator[wire.Result]:
 
 
 def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Keys,
-             records: list[dict], waited: float, t0: float, t1: float) -> dict:
+             records: list[ReadyRecord], waited: float, t0: float, t1: float) -> dict:
     wall = t1 - t0
     busy = wasted = 0.0
     sessions = 0
@@ -235,11 +236,11 @@ def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Key
         sessions += 1
         if res.status is Status.CANCELLED:
             wasted += span
-    trained = sum(rec["groups"] for rec in records) * scheduler.groups
-    lags = [rec["lag"] for rec in records]
+    trained = sum(rec.groups for rec in records) * scheduler.groups
+    lags = [rec.lag for rec in records]
     resubmitted = Counter()
     for rec in records:
-        resubmitted.update(rec["resubmitted"])
+        resubmitted.update(rec.resubmitted)
     mean_s = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
     capacity = workload["slots"] / mean_s
     rate = trained / wall

@@ -5,7 +5,8 @@ Each session sleeps a log-normal duration (median `median_s`, shape `sigma`, cap
 drawn from `status_mix` with a reward in [0, 1]. Call k's prompt extends call k-1's prompt
 and completion, so the calls merge into one chain. Every call carries the version the
 engines serve when it is made. Cancellation is honoured within a few milliseconds: the
-source waits on the request's cancel event rather than sleeping.
+source waits on the request's cancel event rather than sleeping. `median_s` 0 gives
+sessions of zero length (`rollstream bench consumer`).
 """
 
 from __future__ import annotations

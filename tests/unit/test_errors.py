@@ -80,7 +80,7 @@ def test_a_source_that_cannot_be_loaded_is_a_config_error_naming_source_or_sourc
              ("consumers.sources.sleep:Nope", {}, "source: consumers.sources.sleep has no Nope"),
              ("consumers.sources.sleep", {}, "source: must be module:name"),
              ("consumers.sources.sleep:SleepSource", {"env": "x"}, "source_args: .* got an unexpected keyword"),
-             ("consumers.sources.sleep:SleepSource", {"median_s": -1}, "source_args: .* refused them: need median_s > 0"),
+             ("consumers.sources.sleep:SleepSource", {"median_s": -1}, "source_args: .* refused them: need median_s >= 0"),
              ("consumers.sources.harness:HarnessSource",
               {"gateway": "http://g", "harness": "true", "verifier": "no_such_module_xyz:verify"},
               "source_args.verifier: cannot import no_such_module_xyz")]

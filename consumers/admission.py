@@ -67,7 +67,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import msgspec
 import numpy as np
 import redis
 
@@ -556,14 +555,11 @@ class Admission:
             packed = pack(groups, rows=cfg.rows, width=cfg.width, estimator=cfg.estimator,
                           truncation=cfg.truncation, support_capacity=cfg.support_capacity)
             metrics = _finite(session_metrics(groups, packed, updates=rec.updates))
-            extra = _extra(emit, packed, groups)
+            ready_record = _ready_record(emit, packed, metrics, _extra(emit, packed, groups))
             ready = wire.to_fields(wire.Ready(self.shard, self.sched.epoch, emit.step, rec.updates,
-                                              compact(packed), _ready_record(emit, packed, metrics, extra)),
+                                              compact(packed), ready_record),
                                    max_bytes=self.config.max_message_bytes)
-            record = wire.to_fields(wire.Record(
-                self.shard, self.sched.epoch, emit.step, rec.updates, rec.version, rec.lag,
-                rec.groups, dict(rec.resubmitted), rec.cancelled, rec.abandoned, packed.cut,
-                rec.waited, metrics, **extra))
+            record = wire.to_fields(wire.Record.of(self.shard, self.sched.epoch, emit.step, ready_record))
         except ValueError as exc:  # a rollout that cannot train as given; SchemaError included
             self._ready_error(txn, emit.step, f"step {emit.step} cannot be emitted: {exc}\n"
                               + traceback.format_exc())
@@ -571,8 +567,8 @@ class Admission:
             txn.xadd(self.keys.ready(self.shard), ready)
             txn.xadd(self.keys.records(self.shard), record)
             self.stats["emitted"] += 1
-            final = msgspec.structs.replace(rec, cut=packed.cut, metrics=metrics)
-            txn.observe.append(lambda m: m.observe_record(final, shard=self.shard, **extra))
+            txn.observe.append(lambda m: m.observe_record(ready_record.scheduler_record(), shard=self.shard,
+                                                          **ready_record.extra))
         self._unhold(txn, keys)
         live = self.sched.live_groups()
         for epoch, gid in list(self._held):

@@ -560,6 +560,12 @@ class Record(_ShardMessage):
 
     ADDED: ClassVar[frozenset[str]] = frozenset({"refused", "surplus", "overlong"})
 
+    @classmethod
+    def of(cls, shard: int, epoch: int, step: int, record: ReadyRecord) -> Record:
+        """The records-stream entry of step `step`: its Ready's record, field for field."""
+        return cls(shard, epoch, step, **{name: getattr(record, name) for name in cls.SPEC
+                                          if name not in ("shard", "epoch", "step")})
+
 
 # ---------------------------------------------------------------- codec
 

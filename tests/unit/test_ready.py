@@ -105,3 +105,14 @@ def test_a_mistyped_record_is_refused_naming_the_field(change, field) -> None:
 def test_a_failed_step_carries_its_error_and_no_record() -> None:
     got = wire.decode(wire.encode(wire.Ready(0, 0, 1, 3, {}, None, error="boom")))
     assert got.record is None and got.error == "boom"
+
+
+def test_the_records_stream_entry_has_the_ready_records_counts_field_for_field():
+    """One definition: the Record message's fields are the SchedulerRecord's and the
+    counts a ReadyRecord adds, so `Record.of` copies them all."""
+    assert set(wire.Record.SPEC) - {"shard", "epoch", "step"} == \
+        set(SchedulerRecord.__struct_fields__) | set(RECORD.extra)
+    rec = wire.Record.of(0, 1, 5, RECORD)
+    assert (rec.step, rec.groups, rec.refused, rec.resubmitted, rec.metrics) == (5, 1, 1, {"stale": 2},
+                                                                              {"reward_mean": 0.5})
+    assert wire.decode(wire.encode(rec)) == rec

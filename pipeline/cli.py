@@ -53,7 +53,7 @@ def _simulate_frontier(args: argparse.Namespace) -> int:
     from pipeline import bench_schedule
 
     workload = bench_schedule.workload_for(False, steps=args.steps, median_ms=args.median_ms,
-                                           seed=args.seed)
+                                           seed=args.seed, stream_config=args.stream_config)
     policies = tuple(x for x in args.policies.split(",") if x)
     unknown = set(policies) - set(bench_schedule.POLICIES)
     if unknown:
@@ -190,6 +190,9 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--policies", default="sync,group,batch,stream",
                      help="--frontier: comma-separated subset")
     sim.add_argument("--plot", help="--frontier: write the frontier plot here")
+    from pipeline.bench_schedule import add_stream_config
+
+    add_stream_config(sim)
     sim.set_defaults(run=_simulate)
 
     adm = sub.add_parser("admission", help="run one shard's admission consumer")

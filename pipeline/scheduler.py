@@ -397,6 +397,12 @@ class Scheduler:
             self.served = self.updates
         self._pending, self._handover_at, self._last_step = ev.step, self._now, ev.step
         self._cancel_stale_running(out)
+        if self.config.admission == "stream":
+            # admitted members of groups still waiting on a straggler that fell past the
+            # bound now: resubmitted at once, so that they run beside the straggler rather
+            # than after it, when the group completes and is re-checked at consumption
+            waiting = [g for g in self._groups.values() if g.admitted and not g.complete]
+            self._recheck_lag(waiting, self._complete, out)
         if self.config.admission == "batch":
             for b in sorted(self._batches):
                 if b <= ev.step + self.config.ahead and not self._batches[b].submitted:
@@ -507,6 +513,8 @@ class Scheduler:
     def _cancel_stale_running(self, out: list[Action]) -> None:
         """Cancel running rollouts whose submission is already past the bound (their first
         call was made under that version) and resubmit them under the served weights."""
+        if self.config.stale_running == "finish":
+            return  # judged by the result's oldest call when it finishes
         heap, bound = self._by_version, self.updates - self.config.max_lag
         while heap and heap[0][0] < bound:
             version, _, key = heapq.heappop(heap)

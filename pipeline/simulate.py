@@ -137,7 +137,7 @@ class Simulation:
     def steps(self, n: int) -> Iterator[StepReport]:
         """Run `n` trainer steps, yielding each step's report as it is emitted."""
         acts = self.sched.handle(Open(0), self.now)
-        for _ in range(self.config.ahead + 1):
+        for _ in range(self.config.registered_ahead + 1):
             acts += self._register()
         acts += self.sched.handle(Handover(0, self._updates), self.now)
         emitted = 0

@@ -513,6 +513,45 @@ def test_stream_drops_stale_members_of_waiting_groups_at_consumption():
     assert len(stale) == 2 and of(Emit, acts) == []
 
 
+def test_stream_resubmits_stale_members_of_a_waiting_group_at_the_handover():
+    """A group still waiting on a straggler does not keep members that fell past the bound
+    until it completes: they are resubmitted at the handover, to run beside the straggler."""
+    d = _stream(inflight_samples=2, admit=1, max_lag=1, ahead=1, stale_running="finish")
+    d.register(0, n=2)
+    (g0,) = d.groups()
+    early, late = d.running_of(g0)
+    d.finish(early, oldest=0)
+    acts = d.handover(0, updates=2)  # early's call is two updates old now
+    assert Discard(early, "stale") in of(Discard, acts) and of(Emit, acts) == []
+    (again,) = [s for s in of(Submit, acts) if s.cause == "stale"]
+    assert (again.key.group, again.key.sample, again.key.attempt) == (g0, early.sample, 1)
+    assert again.submitted_version == 2 and late in d.running()
+    d.finish(late, oldest=2)
+    (emit,) = of(Emit, d.finish(again.key, oldest=2))
+    assert [x.group for x in emit.groups] == [g0] and emit.record.lag == 0
+    assert emit.record.resubmitted["stale"] == 1
+
+
+@pytest.mark.parametrize("mode", ["cancel", "finish"])
+def test_stale_running_cancels_at_once_or_judges_the_result(mode):
+    d = _stream(inflight_samples=2, admit=1, max_lag=1, ahead=1, stale_running=mode)
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    first, second = d.running_of(g0)
+    acts = d.handover(0, updates=2)  # both submitted under version 0: past the bound
+    if mode == "cancel":
+        assert {c.key for c in of(Cancel, acts)} == {first, second}
+        assert all(c.reason == "stale" for c in of(Cancel, acts))
+        return
+    assert of(Cancel, acts) == []
+    acts = d.finish(first, oldest=0)  # its call was made under version 0: still stale
+    assert Discard(first, "stale") in of(Discard, acts)
+    (again,) = [s for s in of(Submit, acts) if s.cause == "stale"]
+    d.finish(second, oldest=2)  # its first call came after the push: admitted
+    (emit,) = of(Emit, d.finish(again.key, oldest=2))
+    assert emit.record.lag == 0 and emit.record.groups == 1
+
+
 def test_stream_emits_what_it_has_once_nothing_is_left_to_run():
     d = _stream(inflight_samples=2, admit=2, max_attempts=1)
     d.register(0, n=2)

@@ -17,9 +17,11 @@ Policies:
   credits are released only when the whole group has ended (the legacy baseline).
 - `batch`: batch admission, `ahead` 1 (`--ahead`), `oversample` 2.
 - `stream`: stream admission with sample backfill (every ended sample is one credit), admit
-  one batch's worth of groups per step.
+  one batch's worth of groups per step; `--stream-config JSON` overrides fields of its
+  config (`{"oversample": 1}`, `{"stale_running": "finish"}`, `{"supply": 1}`).
 
-`batch`, `group` and `stream` register task batches `--ahead` steps early (default 1), and
+`batch` registers task batches `--ahead` steps early (default 1), `group` and `stream`
+their config's `registered_ahead` (at least `--ahead`), and
 every policy runs under `max_lag` `--max-lag` (default: `--ahead`, the least the scheduler
 accepts). `group` and `stream` keep
 `--inflight` samples in flight, by default the slots (the scheduler's own default is
@@ -378,18 +380,18 @@ def simulate_policy(name: str, workload: dict) -> dict:
 
 
 def format_frontier(result: dict) -> str:
-    """The frontier as a table: share of capacity / waste share (length bias) per policy and
-    `max_lag`."""
+    """The frontier as a table: share of capacity / waste share (the trained sessions' mean
+    length over the workload's) per policy and `max_lag`."""
     lags = list(result["frontier"])
     names = list(next(iter(result["frontier"].values()), {}))
     lines = [f"workload: {json.dumps(result['workload'])}",
-             "capacity share / waste share (trained length bias)",
+             "capacity share / waste share (trained length / workload mean)",
              f"{'policy':8s} " + " ".join(f"{'max_lag ' + lag:>22s}" for lag in lags)]
     for name in names:
         cells = []
         for lag in lags:
             pr = result["frontier"][lag][name]
-            bias = pr["trained_length_bias"]
+            bias = pr["trained_length_vs_workload"]
             cells.append(f"{pr['capacity_share']:.3f} / {pr['waste_share']:.3f} "
                          f"({'-' if bias is None else f'{bias:.2f}'})")
         lines.append(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))

@@ -20,7 +20,12 @@ early; `oversample` and `admit` cut the tail. `stream`: step i trains the first 
 complete groups within the staleness bound from any registered batch, and submission is
 credit-driven backfill: every sample that ends, whatever its outcome, is one credit; a
 resubmission takes one credit and `groups + oversample` credits submit one new group, so
-`in flight + credits == inflight_samples` holds after every event.
+`in flight + credits == inflight_samples` holds after every event. New groups come from the
+tasks registered so far, which the trainer keeps `config.registered_ahead` batches ahead (a
+window sized from the in-flight target, not from `ahead`); at each handover the admitted
+members of groups still waiting on a straggler that aged past the bound are resubmitted at
+once. `oversample` works in stream mode as in batch mode (the first `groups` finishers of a
+group are admitted, the rest cancelled as surplus), with the same bias toward short sessions.
 
 Stream mode with `backfill="group"` (additive; the legacy group-gated baseline that sample
 backfill replaces): the credit of an ended sample is held by its group until every sample of

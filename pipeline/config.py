@@ -55,6 +55,10 @@ class SchedulerConfig(_Model):
     backfill: Literal["sample", "group"] = Field(
         "sample", description="stream mode: a sample's credit is released when it ends (sample), "
         "or held until its whole group has ended (group: the legacy group-gated baseline)")
+    oversample_start: Literal["group", "straggler"] = Field(
+        "group", description="stream mode: the oversample extra rollouts of a group are "
+        "submitted with it (group), or only once no more than oversample of its rollouts are "
+        "still running (straggler: a backup for the slowest)")
     supply: int | None = Field(
         None, ge=1, description="stream mode: task batches registered beyond the step being "
         "trained, the window new groups are drawn from; None: three in-flight targets' worth "
@@ -100,6 +104,8 @@ class SchedulerConfig(_Model):
             )
         if self.admit is not None and self.batch_size is not None and self.admit > self.batch_size:
             raise ValueError(f"admit={self.admit} exceeds batch_size={self.batch_size}")
+        if self.oversample_start == "straggler" and self.admission != "stream":
+            raise ValueError("oversample_start='straggler' needs admission='stream'")
         if self.inflight_samples is not None and self.inflight_samples < self.group_size:
             raise ValueError(
                 f"inflight_samples={self.inflight_samples} is below one group "

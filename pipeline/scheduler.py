@@ -247,7 +247,7 @@ class _Sample:
 
 
 class _Group:
-    __slots__ = ("id", "batch", "task", "samples", "admitted", "complete")
+    __slots__ = ("id", "batch", "task", "samples", "admitted", "complete", "backed_up")
 
     def __init__(self, gid: int, batch: int, task: Task, size: int) -> None:
         self.id = gid
@@ -256,6 +256,7 @@ class _Group:
         self.samples = [_Sample(i) for i in range(size)]
         self.admitted: list[int] = []  # sample indices in finishing order
         self.complete = False
+        self.backed_up = False  # oversample_start="straggler": its extra samples were queued
 
 
 class _Batch:
@@ -408,6 +409,8 @@ class Scheduler:
             # than after it, when the group completes and is re-checked at consumption
             waiting = [g for g in self._groups.values() if g.admitted and not g.complete]
             self._recheck_lag(waiting, self._complete, out)
+            if self.config.oversample_start == "straggler":
+                self._back_up_stragglers(waiting)
         if self.config.admission == "batch":
             for b in sorted(self._batches):
                 if b <= ev.step + self.config.ahead and not self._batches[b].submitted:
@@ -471,6 +474,8 @@ class Scheduler:
         viable = sum(s.state in (_ADMITTED, _RUNNING, _IDLE) for s in group.samples)
         if viable < self.config.groups:
             self._abandon(group, cause, out)
+        elif self.config.oversample_start == "straggler" and not group.backed_up:
+            self._back_up(group)  # it can only complete with its extra samples now
 
     def _abandon(self, group: _Group, cause: str, out: list[Action]) -> None:
         self._cancel_group(group, "abandoned", out)
@@ -591,13 +596,45 @@ class Scheduler:
             self._resubmit.popleft()
         if self._held_credits:
             self._release_held()
-        size = self.config.group_size
+        # oversample_start="straggler": a new group takes only its `groups` samples' credits;
+        # each extra sample takes one when it is queued as a backup
+        size = self._first_submitted()
         while self._tasks and self.credits >= size and self._broken is None:
             batch, task = self._tasks.popleft()
             group = self._new_group(batch, task)
             self.credits -= size
-            for sample in group.samples:
+            for sample in group.samples[:size]:
                 self._submit(group, sample, None, out)
+
+    def _first_submitted(self) -> int:
+        """Samples of a new group submitted with it."""
+        if self.config.oversample_start == "straggler":
+            return self.config.groups
+        return self.config.group_size
+
+    def _back_up_stragglers(self, groups: list[_Group]) -> None:
+        """oversample_start="straggler", at a handover: a waiting group with no more than
+        `oversample` samples still running, whose oldest admitted member will be past the
+        bound two handovers from now, gets its extra samples as backups of its stragglers;
+        the first `groups` to finish are admitted as with any oversample."""
+        for group in groups:
+            if group.backed_up or group.complete or self._groups.get(group.id) is not group:
+                continue
+            running = sum(s.state == _RUNNING for s in group.samples)
+            if running > self.config.oversample or not group.admitted:
+                continue  # more stragglers than backups, or nothing aging (re-checked)
+            oldest = min(group.samples[i].oldest for i in group.admitted)
+            if oldest > self.updates - self.config.max_lag + 1:
+                continue  # its admitted members outlive the next two handovers
+            self._back_up(group)
+
+    def _back_up(self, group: _Group) -> None:
+        """Queue `group`'s extra samples, first attempts that wait for credits like
+        resubmissions."""
+        group.backed_up = True
+        for sample in group.samples[self.config.groups:]:
+            if sample.state == _IDLE and sample.attempt < 0:
+                self._resubmit.append((group, sample, None))
 
     def _resubmit_sample(self, group: _Group, sample: _Sample, cause: str, out: list[Action]) -> None:
         self._resubmitted[cause] += 1
@@ -837,13 +874,17 @@ def _load_task(data: list) -> Task:
 def _dump_group(group: _Group, live: bool) -> list:
     samples = [[s.index, s.attempt, s.failures, s.state, s.submitted_version, s.oldest]
                for s in group.samples]
-    return [group.id, group.batch, _dump_task(group.task), samples, list(group.admitted),
+    data = [group.id, group.batch, _dump_task(group.task), samples, list(group.admitted),
             group.complete, live]
+    if group.backed_up:  # additive: only oversample_start="straggler" backs a group up
+        data.append(True)
+    return data
 
 
 def _load_group(data: list) -> tuple[_Group, bool]:
-    gid, batch, task, samples, admitted, complete, live = data
+    gid, batch, task, samples, admitted, complete, live = data[:7]
     group = _Group(gid, batch, _load_task(task), len(samples))
+    group.backed_up = len(data) > 7 and bool(data[7])
     for sample, (index, attempt, failures, state, version, oldest) in zip(group.samples, samples):
         sample.index, sample.attempt, sample.failures = index, attempt, failures
         sample.state, sample.submitted_version, sample.oldest = state, version, oldest

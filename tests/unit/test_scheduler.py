@@ -552,6 +552,51 @@ def test_stale_running_cancels_at_once_or_judges_the_result(mode):
     assert emit.record.lag == 0 and emit.record.groups == 1
 
 
+def test_straggler_oversample_backs_up_a_group_whose_admitted_members_are_aging():
+    d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_lag=1, ahead=1,
+                oversample_start="straggler", stale_running="finish")
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    fast, straggler = d.running_of(g0)  # two of its three samples: the extra one waits
+    assert d.sched.credits == 1 and len(d.submitted) == 2
+    d.finish(fast, oldest=0)
+    (backup,) = of(Submit, d.handover(0, updates=0))
+    assert (backup.key.group, backup.key.sample, backup.key.attempt) == (g0, 2, 0)
+    assert backup.cause is None and d.sched.in_flight == 2 and d.sched.credits == 1
+    acts = d.finish(backup.key, oldest=0)  # the backup wins: the straggler is surplus
+    assert Cancel(straggler, "surplus") in of(Cancel, acts)
+    (emit,) = of(Emit, acts)
+    assert [x.samples for x in emit.groups] == [(fast, backup.key)]
+
+
+def test_straggler_oversample_waits_while_the_admitted_members_are_fresh():
+    d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_lag=3, ahead=1,
+                oversample_start="straggler")
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    fast, straggler = d.running_of(g0)
+    d.finish(fast, oldest=0)
+    assert of(Submit, d.handover(0, updates=0)) == []  # 0 > 0 - 3 + 1: no backup yet
+    d.finish(straggler, oldest=0)
+    assert d.ended.get(straggler) == "finish" and len(d.submitted) == 2
+
+
+def test_straggler_oversample_submits_the_extra_samples_once_the_group_needs_them():
+    d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_attempts=1,
+                oversample_start="straggler")
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    failed, _ = d.running_of(g0)
+    acts = d.finish(failed, status=Status.INFRA_ERROR, reward=None)
+    (extra,) = of(Submit, acts)
+    assert extra.key.sample == 2 and of(Abandon, acts) == []
+
+
+def test_straggler_oversample_needs_stream_admission():
+    with pytest.raises(ValueError, match="oversample_start"):
+        SchedulerConfig(admission="batch", oversample=1, oversample_start="straggler")
+
+
 def test_stream_emits_what_it_has_once_nothing_is_left_to_run():
     d = _stream(inflight_samples=2, admit=2, max_attempts=1)
     d.register(0, n=2)

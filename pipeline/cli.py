@@ -18,6 +18,8 @@ from pipeline.errors import guarded
 def _simulate(args: argparse.Namespace) -> int:
     from pipeline.simulate import StepReport, Workload, run
 
+    if args.frontier:
+        return _simulate_frontier(args)
     config = build(SchedulerConfig, {
         "admission": args.admission, "groups": args.groups, "oversample": args.oversample,
         "ahead": args.ahead, "max_lag": args.ahead, "batch_size": args.batch_size,
@@ -41,6 +43,24 @@ def _simulate(args: argparse.Namespace) -> int:
               f"median {workload.median_s:g}s, virtual clock)")
     summary = run(config, workload, args.steps, show)
     print(json.dumps({"summary": summary}) if args.json else f"summary: {json.dumps(summary)}")
+    return 0
+
+
+def _simulate_frontier(args: argparse.Namespace) -> int:
+    """`rollstream simulate --frontier`: `bench schedule --frontier`'s workload and figures
+    from the pure scheduler on a virtual clock."""
+    from pipeline import bench_schedule
+
+    workload = bench_schedule.workload_for(False, steps=args.steps, median_ms=args.median_ms,
+                                           seed=args.seed, stream_config=args.stream_config)
+    policies = tuple(x for x in args.policies.split(",") if x)
+    unknown = set(policies) - set(bench_schedule.POLICIES)
+    if unknown:
+        raise SystemExit(f"unknown policies: {sorted(unknown)}")
+    result = bench_schedule.simulate_frontier(workload, policies)
+    if args.plot:
+        bench_schedule.plot_frontier(result, args.plot)
+    print(json.dumps(result) if args.json else bench_schedule.format_frontier(result))
     return 0
 
 
@@ -169,6 +189,15 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--timeout-s", type=float, default=300.0)
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", action="store_true", help="one JSON record per line")
+    sim.add_argument("--frontier", action="store_true",
+                     help="bench schedule's workload, every policy at max_lag 1, 2, 4 (one JSON)")
+    sim.add_argument("--median-ms", type=float, help="--frontier: median session (default 20)")
+    sim.add_argument("--policies", default="sync,group,batch,stream",
+                     help="--frontier: comma-separated subset")
+    sim.add_argument("--plot", help="--frontier: write the frontier plot here")
+    from pipeline.bench_schedule import add_stream_config
+
+    add_stream_config(sim)
     sim.set_defaults(run=_simulate)
 
     adm = sub.add_parser("admission", help="run one shard's admission consumer")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import re
 import types
@@ -54,6 +55,18 @@ class SchedulerConfig(_Model):
     backfill: Literal["sample", "group"] = Field(
         "sample", description="stream mode: a sample's credit is released when it ends (sample), "
         "or held until its whole group has ended (group: the legacy group-gated baseline)")
+    oversample_start: Literal["group", "straggler"] = Field(
+        "group", description="stream mode: the oversample extra rollouts of a group are "
+        "submitted with it (group), or only once no more than oversample of its rollouts are "
+        "still running (straggler: a backup for the slowest)")
+    supply: int | None = Field(
+        None, ge=1, description="stream mode: task batches registered beyond the step being "
+        "trained, the window new groups are drawn from; None: three in-flight targets' worth "
+        "of groups, at least ahead (see registered_ahead)")
+    stale_running: Literal["cancel", "finish"] = Field(
+        "cancel", description="a running rollout submitted past the bound: cancelled at once "
+        "(its first call was made under that version), or left to finish and judged by its "
+        "result's oldest call (sources whose first call comes late, or work queued for a slot)")
     width: int = Field(2048, ge=1, description="tokens per packed row")
     rows: int = Field(8, ge=1, description="packed rows per step (this process's share)")
     support_capacity: int | None = Field(None, ge=1, description="per-row room for sampling support")
@@ -62,6 +75,24 @@ class SchedulerConfig(_Model):
     def group_size(self) -> int:
         """Samples submitted per group: `groups + oversample`."""
         return self.groups + self.oversample
+
+    @property
+    def registered_ahead(self) -> int:
+        """Task batches the trainer registers beyond the one it trains. Batch mode: `ahead`.
+        Stream mode: `supply`, by default enough batches for three times the in-flight
+        target's groups (partly admitted groups hold tasks while their stragglers run), and
+        never fewer than `ahead`; a stream group's staleness counts from its samples'
+        submissions, not from its batch's registration, so the window does not touch the
+        bound."""
+        if self.admission != "stream":
+            return self.ahead
+        if self.supply is not None:
+            return max(self.ahead, self.supply)
+        if self.inflight_samples is None:  # (ahead + 1) batches in flight
+            return 3 * (self.ahead + 1)
+        if self.batch_size is None:
+            return self.ahead + 1
+        return max(self.ahead, math.ceil(3 * self.inflight_samples / (self.group_size * self.batch_size)))
 
     @model_validator(mode="after")
     def _cross_field(self) -> "SchedulerConfig":
@@ -73,6 +104,8 @@ class SchedulerConfig(_Model):
             )
         if self.admit is not None and self.batch_size is not None and self.admit > self.batch_size:
             raise ValueError(f"admit={self.admit} exceeds batch_size={self.batch_size}")
+        if self.oversample_start == "straggler" and self.admission != "stream":
+            raise ValueError("oversample_start='straggler' needs admission='stream'")
         if self.inflight_samples is not None and self.inflight_samples < self.group_size:
             raise ValueError(
                 f"inflight_samples={self.inflight_samples} is below one group "

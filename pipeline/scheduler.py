@@ -20,7 +20,15 @@ early; `oversample` and `admit` cut the tail. `stream`: step i trains the first 
 complete groups within the staleness bound from any registered batch, and submission is
 credit-driven backfill: every sample that ends, whatever its outcome, is one credit; a
 resubmission takes one credit and `groups + oversample` credits submit one new group, so
-`in flight + credits == inflight_samples` holds after every event.
+`in flight + credits == inflight_samples` holds after every event. New groups come from the
+tasks registered so far, which the trainer keeps `config.registered_ahead` batches ahead (a
+window sized from the in-flight target, not from `ahead`); at each handover the admitted
+members of groups still waiting on a straggler that aged past the bound are resubmitted at
+once. `oversample` works in stream mode as in batch mode (the first `groups` finishers of a
+group are admitted, the rest cancelled as surplus), with the same bias toward short sessions;
+with `oversample_start="straggler"` the extra samples are held back and submitted, at a
+handover, only as backups of a group's stragglers once its admitted members are aging.
+`stale_running="finish"` leaves a running sample submitted past the bound to its result.
 
 Stream mode with `backfill="group"` (additive; the legacy group-gated baseline that sample
 backfill replaces): the credit of an ended sample is held by its group until every sample of
@@ -251,7 +259,7 @@ class _Sample:
 
 
 class _Group:
-    __slots__ = ("id", "batch", "task", "samples", "admitted", "complete")
+    __slots__ = ("id", "batch", "task", "samples", "admitted", "complete", "backed_up")
 
     def __init__(self, gid: int, batch: int, task: Task, size: int) -> None:
         self.id = gid
@@ -260,6 +268,7 @@ class _Group:
         self.samples = [_Sample(i) for i in range(size)]
         self.admitted: list[int] = []  # sample indices in finishing order
         self.complete = False
+        self.backed_up = False  # oversample_start="straggler": its extra samples were queued
 
 
 class _Batch:
@@ -406,6 +415,14 @@ class Scheduler:
             self.served = self.updates
         self._pending, self._handover_at, self._last_step = ev.step, self._now, ev.step
         self._cancel_stale_running(out)
+        if self.config.admission == "stream":
+            # admitted members of groups still waiting on a straggler that fell past the
+            # bound now: resubmitted at once, so that they run beside the straggler rather
+            # than after it, when the group completes and is re-checked at consumption
+            waiting = [g for g in self._groups.values() if g.admitted and not g.complete]
+            self._recheck_lag(waiting, self._complete, out)
+            if self.config.oversample_start == "straggler":
+                self._back_up_stragglers(waiting)
         if self.config.admission == "batch":
             for b in sorted(self._batches):
                 if b <= ev.step + self.config.ahead and not self._batches[b].submitted:
@@ -469,6 +486,8 @@ class Scheduler:
         viable = sum(s.state in (_ADMITTED, _RUNNING, _IDLE) for s in group.samples)
         if viable < self.config.groups:
             self._abandon(group, cause, out)
+        elif self.config.oversample_start == "straggler" and not group.backed_up:
+            self._back_up(group)  # it can only complete with its extra samples now
 
     def _abandon(self, group: _Group, cause: str, out: list[Action]) -> None:
         self._cancel_group(group, "abandoned", out)
@@ -516,6 +535,8 @@ class Scheduler:
     def _cancel_stale_running(self, out: list[Action]) -> None:
         """Cancel running rollouts whose submission is already past the bound (their first
         call was made under that version) and resubmit them under the served weights."""
+        if self.config.stale_running == "finish":
+            return  # judged by the result's oldest call when it finishes
         heap, bound = self._by_version, self.updates - self.config.max_lag
         while heap and heap[0][0] < bound:
             version, _, key = heapq.heappop(heap)
@@ -587,13 +608,45 @@ class Scheduler:
             self._resubmit.popleft()
         if self._held_credits:
             self._release_held()
-        size = self.config.group_size
+        # oversample_start="straggler": a new group takes only its `groups` samples' credits;
+        # each extra sample takes one when it is queued as a backup
+        size = self._first_submitted()
         while self._tasks and self.credits >= size and self._broken is None:
             batch, task = self._tasks.popleft()
             group = self._new_group(batch, task)
             self.credits -= size
-            for sample in group.samples:
+            for sample in group.samples[:size]:
                 self._submit(group, sample, None, out)
+
+    def _first_submitted(self) -> int:
+        """Samples of a new group submitted with it."""
+        if self.config.oversample_start == "straggler":
+            return self.config.groups
+        return self.config.group_size
+
+    def _back_up_stragglers(self, groups: list[_Group]) -> None:
+        """oversample_start="straggler", at a handover: a waiting group with no more than
+        `oversample` samples still running, whose oldest admitted member will be past the
+        bound two handovers from now, gets its extra samples as backups of its stragglers;
+        the first `groups` to finish are admitted as with any oversample."""
+        for group in groups:
+            if group.backed_up or group.complete or self._groups.get(group.id) is not group:
+                continue
+            running = sum(s.state == _RUNNING for s in group.samples)
+            if running > self.config.oversample or not group.admitted:
+                continue  # more stragglers than backups, or nothing aging (re-checked)
+            oldest = min(group.samples[i].oldest for i in group.admitted)
+            if oldest > self.updates - self.config.max_lag + 1:
+                continue  # its admitted members outlive the next two handovers
+            self._back_up(group)
+
+    def _back_up(self, group: _Group) -> None:
+        """Queue `group`'s extra samples, first attempts that wait for credits like
+        resubmissions."""
+        group.backed_up = True
+        for sample in group.samples[self.config.groups:]:
+            if sample.state == _IDLE and sample.attempt < 0:
+                self._resubmit.append((group, sample, None))
 
     def _resubmit_sample(self, group: _Group, sample: _Sample, cause: str, out: list[Action]) -> None:
         self._resubmitted[cause] += 1
@@ -833,13 +886,17 @@ def _load_task(data: list) -> Task:
 def _dump_group(group: _Group, live: bool) -> list:
     samples = [[s.index, s.attempt, s.failures, s.state, s.submitted_version, s.oldest]
                for s in group.samples]
-    return [group.id, group.batch, _dump_task(group.task), samples, list(group.admitted),
+    data = [group.id, group.batch, _dump_task(group.task), samples, list(group.admitted),
             group.complete, live]
+    if group.backed_up:  # additive: only oversample_start="straggler" backs a group up
+        data.append(True)
+    return data
 
 
 def _load_group(data: list) -> tuple[_Group, bool]:
-    gid, batch, task, samples, admitted, complete, live = data
+    gid, batch, task, samples, admitted, complete, live = data[:7]
     group = _Group(gid, batch, _load_task(task), len(samples))
+    group.backed_up = len(data) > 7 and bool(data[7])
     for sample, (index, attempt, failures, state, version, oldest) in zip(group.samples, samples):
         sample.index, sample.attempt, sample.failures = index, attempt, failures
         sample.state, sample.submitted_version, sample.oldest = state, version, oldest

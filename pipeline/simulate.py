@@ -5,6 +5,9 @@ virtual clock: session durations are log-normal (heavy tail, capped), statuses f
 mix, and a cancelled session frees its slot at once. Nothing sleeps, so hundreds of steps
 of a heavy-tailed workload run in a second; the records are exactly what the scheduler
 would report against real workers with the same timings.
+
+`slot_accounting` splits the slot-seconds of a run (simulated here, measured by `rollstream
+bench schedule`) into trained, wasted and pending work, one definition for both.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Workload:
     status_mix: Mapping[str, float] = field(default_factory=lambda: {
         "completed": 0.90, "agent_error": 0.03, "truncated": 0.04, "infra_error": 0.03})
     seed: int = 0
+    call_at_end: bool = False  # a session's one call is made as it ends (SleepSource, calls=1)
 
     def duration(self, rng: random.Random) -> float:
         return min(rng.lognormvariate(math.log(self.median_s), self.sigma), self.cap * self.median_s)
@@ -47,6 +51,58 @@ class Workload:
         if status in (Status.INFRA_ERROR, Status.CANCELLED):
             return status, None
         return status, float(rng.random() < 0.5)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One attempt's use of a slot: `busy_s` within the measured window, `length_s` its
+    whole session time when it ended by itself (None: cancelled), `ended` whether it ended
+    inside the window."""
+
+    group: int
+    sample: int
+    attempt: int
+    busy_s: float
+    length_s: float | None
+    ended: bool
+
+
+def slot_accounting(spans: list[Span], trained: set[tuple[int, int, int]]) -> dict:
+    """Slot-seconds by fate. An attempt is trained when `(group, sample, attempt)` is in
+    `trained`; it is wasted when it ended in the window untrained and never will train:
+    cancelled (surplus, stale, abandoned), superseded by a later attempt of its sample (stale
+    or failed), or a surplus finisher of a trained group; anything else is pending at the
+    end (in flight, or admitted into a group not yet trained). `waste_share` is wasted over
+    busy slot-seconds; `trained_length_bias` the mean session time of the trained attempts
+    over that of every attempt that ended by itself (1: no bias toward short sessions; a
+    policy that cancels long sessions before they end hides part of its bias from this
+    ratio, so `rollstream bench schedule` also reports the trained mean over the workload's
+    own mean), `trained_length_s` that trained mean."""
+    latest: dict[tuple[int, int], int] = {}
+    for s in spans:
+        latest[(s.group, s.sample)] = max(latest.get((s.group, s.sample), -1), s.attempt)
+    trained_groups = {g for g, _, _ in trained}
+    busy = wasted = 0.0
+    lengths: list[float] = []
+    trained_lengths: list[float] = []
+    for s in spans:
+        busy += s.busy_s
+        if s.length_s is not None:
+            lengths.append(s.length_s)
+        if (s.group, s.sample, s.attempt) in trained:
+            if s.length_s is not None:
+                trained_lengths.append(s.length_s)
+            continue
+        superseded = s.attempt < latest[(s.group, s.sample)]
+        if s.ended and (s.length_s is None or superseded or s.group in trained_groups):
+            wasted += s.busy_s
+    bias = None
+    if lengths and trained_lengths:
+        bias = round((sum(trained_lengths) / len(trained_lengths)) / (sum(lengths) / len(lengths)), 4)
+    trained_mean = sum(trained_lengths) / len(trained_lengths) if trained_lengths else None
+    return {"busy_slot_s": round(busy, 3), "wasted_slot_s": round(wasted, 3),
+            "waste_share": round(wasted / busy, 4) if busy else 0.0,
+            "trained_length_bias": bias, "trained_length_s": trained_mean}
 
 
 @dataclass
@@ -67,10 +123,12 @@ class Simulation:
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._queue: deque[Submit] = deque()  # submitted, waiting for a slot
-        self._running: dict[SampleKey, float] = {}  # key -> start time
+        self._running: dict[SampleKey, tuple[float, float]] = {}  # key -> start, length
         self._cancelled: set[SampleKey] = set()
         self.busy_s = 0.0
         self.wasted_s = 0.0
+        self.spans: list[Span] = []  # every attempt that ended
+        self.trained: set[tuple[int, int, int]] = set()  # (group, sample, attempt) emitted
         self._next_batch = 0
         self._updates = 0
 
@@ -79,7 +137,7 @@ class Simulation:
     def steps(self, n: int) -> Iterator[StepReport]:
         """Run `n` trainer steps, yielding each step's report as it is emitted."""
         acts = self.sched.handle(Open(0), self.now)
-        for _ in range(self.config.ahead + 1):
+        for _ in range(self.config.registered_ahead + 1):
             acts += self._register()
         acts += self.sched.handle(Handover(0, self._updates), self.now)
         emitted = 0
@@ -125,6 +183,8 @@ class Simulation:
                 self._cancel(a.key)
             elif isinstance(a, Emit):
                 emits.append(a)
+                self.trained.update((k.group, k.sample, k.attempt)
+                                    for g in a.groups for k in g.samples)
             elif isinstance(a, Fail):
                 raise RuntimeError(f"step {a.step} failed: {a.error}")
             elif isinstance(a, PushWeights):
@@ -138,28 +198,39 @@ class Simulation:
             if sub.key in self._cancelled:
                 self._cancelled.discard(sub.key)
                 continue
-            self._running[sub.key] = self.now
+            length = self.work.duration(self.rng)
+            self._running[sub.key] = (self.now, length)
             version = self.sched.served
-            self._at(self.now + self.work.duration(self.rng), "finish", (sub.key, version))
+            self._at(self.now + length, "finish", (sub.key, version))
             if sub.deadline is not None:
                 self._at(sub.deadline, "tick", None)
 
     def _cancel(self, key: SampleKey) -> None:
-        start = self._running.pop(key, None)
-        if start is None:
+        entry = self._running.pop(key, None)
+        if entry is None:
             self._cancelled.add(key)  # still queued: skipped when a slot frees
             return
-        self.wasted_s += self.now - start
-        self.busy_s += self.now - start
+        self.wasted_s += self.now - entry[0]
+        self.busy_s += self.now - entry[0]
+        self.spans.append(Span(key.group, key.sample, key.attempt, self.now - entry[0], None, True))
 
     def _finish(self, payload) -> list:
         key, version = payload
-        start = self._running.pop(key, None)
-        if start is None:
+        entry = self._running.pop(key, None)
+        if entry is None:
             return []  # cancelled while it ran; its slot was freed then
-        self.busy_s += self.now - start
+        self.busy_s += entry[1]
+        self.spans.append(Span(key.group, key.sample, key.attempt, entry[1], entry[1], True))
+        if self.work.call_at_end:
+            version = self.sched.served
         status, reward = self.work.outcome(self.rng)
         return self.sched.handle(Finish(key, status, reward, version), self.now)
+
+    def accounting(self) -> dict:
+        """`slot_accounting` of the attempts so far; those still running count as pending."""
+        running = [Span(k.group, k.sample, k.attempt, self.now - start, None, False)
+                   for k, (start, _) in self._running.items()]
+        return slot_accounting(self.spans + running, self.trained)
 
 
 def run(config: SchedulerConfig, workload: Workload, steps: int,
@@ -182,4 +253,5 @@ def run(config: SchedulerConfig, workload: Workload, steps: int,
         "trainer_wait_share": round(sum(r.record.waited for r in reports) / elapsed, 4),
         "lag_max": max((r.record.lag for r in reports), default=0),
         "groups_abandoned": sum(r.record.abandoned for r in reports),
+        **{k: v for k, v in sim.accounting().items() if k in ("waste_share", "trained_length_bias")},
     }

@@ -239,7 +239,7 @@ class RolloutScheduler:
     def tasks(self, dataset: Iterable[Batch]) -> TaskStream:
         """`dataset` as a stream that registers each task batch ahead of its step. Iterating
         it again (a resume) opens a new epoch, which cancels what the old one left running."""
-        self._stream = TaskStream(dataset, ahead=self.config.ahead, tasks=self._tasks,
+        self._stream = TaskStream(dataset, ahead=self.config.registered_ahead, tasks=self._tasks,
                                   open=self._open, register=self._register, resume=self._resume)
         return self._stream
 

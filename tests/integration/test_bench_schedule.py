@@ -11,7 +11,8 @@ from pipeline import bench_admission, bench_schedule
 pytestmark = pytest.mark.timeout(60)
 
 FIELDS = {"samples_per_s", "utilization", "wait_share", "capacity_samples_per_s", "capacity_share",
-          "lag_max", "lag_mean", "max_lag", "wasted_slot_s", "resubmitted", "vs_sync", "vs_group"}
+          "lag_max", "lag_mean", "max_lag", "wasted_slot_s", "resubmitted", "vs_sync", "vs_group",
+          "waste_share", "trained_length_bias", "trained_length_vs_workload"}
 
 
 def test_capped_lognormal_mean_matches_monte_carlo():
@@ -35,11 +36,13 @@ def test_bench_schedule_reports_every_policy():
         assert p["samples_per_s"] > 0 and 0 < p["utilization"] <= 1.0
         assert 0 <= p["wait_share"] <= 1.0 and p["capacity_share"] > 0
         assert 0 <= p["lag_mean"] <= p["lag_max"] <= p["max_lag"]
-        assert p["wasted_slot_s"] >= 0
+        assert p["wasted_slot_s"] >= 0 and 0 <= p["waste_share"] < 1
+        assert p["trained_length_bias"] > 0
         assert set(p["resubmitted"]) >= {"infra_error", "stale"}
     assert out["policies"]["sync"]["vs_sync"]["samples_per_s"] == 1.0
     assert out["policies"]["group"]["vs_group"]["samples_per_s"] == 1.0
     assert out["policies"]["sync"]["wasted_slot_s"] == 0.0
+    assert out["policies"]["sync"]["waste_share"] == 0.0
     assert out["policies"]["group"]["config"]["backfill"] == "group"
 
 
@@ -51,3 +54,22 @@ def test_bench_admission_against_the_floor(redis_config):
     assert out["admission"]["rollouts_per_s"] > 0 and out["floor"]["rollouts_per_s"] > 0
     assert out["ratio"] == pytest.approx(
         out["admission"]["rollouts_per_s"] / out["floor"]["rollouts_per_s"], rel=0.01)
+
+
+def test_bench_schedule_frontier_prints_every_policy_at_every_lag(capsys):
+    import json
+
+    args = ["--frontier", "--json", "--steps", "2", "--slots", "8", "--procs", "1",
+            "--batch-size", "4", "--groups", "2", "--median-ms", "5", "--train-ms", "1",
+            "--policies", "sync,stream"]
+    p = __import__("argparse").ArgumentParser()
+    bench_schedule.add_arguments(p)
+    assert bench_schedule.run_from_args(p.parse_args(args)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["median_ms"] == 5.0 and out["workload"]["steps"] == 2
+    assert list(out["frontier"]) == ["1", "2", "4"]
+    for lag, policies in out["frontier"].items():
+        assert set(policies) == {"sync", "stream"}
+        for p in policies.values():
+            assert FIELDS - {"vs_group"} <= set(p) and p["max_lag"] == int(lag)
+            assert p["config"]["max_lag"] == int(lag)

@@ -10,7 +10,7 @@ from pipeline.config import SchedulerConfig, build
 def _policy(samples_per_s: float, utilization: float, vs_sync: float, vs_group: float) -> dict:
     return {"samples_per_s": samples_per_s, "utilization": utilization, "wait_share": 0.5,
             "capacity_samples_per_s": 100.0, "capacity_share": samples_per_s / 100.0,
-            "lag_max": 1, "lag_mean": 0.5, "max_lag": 1, "wasted_slot_s": 1.0,
+            "lag_max": 1, "lag_mean": 0.5, "max_lag": 1, "wasted_slot_s": 1.0, "waste_share": 0.1,
             "resubmitted": {"stale": 0}, "vs_sync": {"samples_per_s": vs_sync, "utilization": vs_sync},
             "vs_group": {"samples_per_s": vs_group, "utilization": vs_group}}
 
@@ -52,3 +52,48 @@ def test_the_plot_is_a_png_of_every_policy(tmp_path):
     bench_schedule.plot(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000
+
+
+def test_slot_accounting_splits_trained_wasted_and_pending_work():
+    from pipeline.simulate import Span, slot_accounting
+
+    spans = [
+        Span(0, 0, 0, 2.0, 2.0, True),   # trained
+        Span(0, 1, 0, 4.0, 4.0, True),   # finished, then discarded as stale: superseded
+        Span(0, 1, 1, 1.0, 1.0, True),   # its resubmission, trained
+        Span(0, 2, 0, 3.0, None, True),  # cancelled as surplus of a trained group
+        Span(1, 0, 0, 5.0, 5.0, True),   # admitted into group 1, not trained yet: pending
+        Span(1, 1, 0, 6.0, None, False),  # still running at the end: pending
+        Span(2, 0, 0, 7.0, 7.0, True),   # a surplus finisher of trained group 2
+        Span(2, 1, 0, 1.5, 1.5, True),   # trained
+    ]
+    out = slot_accounting(spans, {(0, 0, 0), (0, 1, 1), (2, 1, 0)})
+    assert out["busy_slot_s"] == 29.5
+    assert out["wasted_slot_s"] == 4.0 + 3.0 + 7.0
+    assert out["waste_share"] == round(14.0 / 29.5, 4)
+    finished = [2.0, 4.0, 1.0, 5.0, 7.0, 1.5]
+    assert out["trained_length_s"] == pytest.approx(1.5)
+    assert out["trained_length_bias"] == round(1.5 / (sum(finished) / len(finished)), 4)
+    assert slot_accounting([], set())["trained_length_bias"] is None
+
+
+def test_the_simulated_frontier_has_every_policy_at_every_lag_with_every_field(tmp_path):
+    pytest.importorskip("matplotlib")
+    w = bench_schedule.workload_for(True, steps=3, slots=16, procs=1, batch_size=4, groups=2,
+                                    median_ms=5.0, train_ms=1.0)
+    out = bench_schedule.simulate_frontier(w)
+    assert list(out["frontier"]) == ["1", "2", "4"]
+    assert out["workload"]["max_lags"] == [1, 2, 4] and "max_lag" not in out["workload"]
+    for lag, policies in out["frontier"].items():
+        assert list(policies) == list(bench_schedule.POLICIES)
+        for name, p in policies.items():
+            assert p["max_lag"] == int(lag) and p["lag_max"] <= int(lag), (lag, name)
+            assert p["steps"] == 3 and p["trained_samples"] == 3 * 4 * 2
+            assert 0 <= p["waste_share"] < 1 and 0 < p["capacity_share"] <= 1.0
+            assert p["trained_length_bias"] > 0 and p["trained_length_vs_workload"] > 0
+        assert policies["sync"]["waste_share"] == 0.0
+        assert policies["batch"]["waste_share"] > 0  # its oversampled surplus
+    assert "stream" in bench_schedule.format_frontier(out)
+    path = tmp_path / "frontier.png"
+    bench_schedule.plot_frontier(out, path, simulated=out)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

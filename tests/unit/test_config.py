@@ -240,3 +240,16 @@ def test_build_any_value(data):
         assert isinstance(build(AdmissionConfig, data), AdmissionConfig)
     except ConfigError:
         pass
+
+
+def test_stream_registers_a_task_window_sized_from_the_inflight_target():
+    from pipeline.config import SchedulerConfig
+
+    assert SchedulerConfig(admission="batch", ahead=2, max_lag=2).registered_ahead == 2
+    stream = {"admission": "stream", "groups": 8, "batch_size": 32}
+    assert SchedulerConfig(**stream, ahead=1).registered_ahead == 6  # 3 x (ahead + 1) batches
+    # 256 samples in flight = one batch of groups of 8: three batches registered ahead
+    assert SchedulerConfig(**stream, inflight_samples=256).registered_ahead == 3
+    assert SchedulerConfig(**stream, inflight_samples=256, ahead=4, max_lag=4).registered_ahead == 4
+    assert SchedulerConfig(**stream, supply=1, ahead=2, max_lag=2).registered_ahead == 2
+    assert SchedulerConfig(**stream, supply=9).registered_ahead == 9

@@ -513,6 +513,90 @@ def test_stream_drops_stale_members_of_waiting_groups_at_consumption():
     assert len(stale) == 2 and of(Emit, acts) == []
 
 
+def test_stream_resubmits_stale_members_of_a_waiting_group_at_the_handover():
+    """A group still waiting on a straggler does not keep members that fell past the bound
+    until it completes: they are resubmitted at the handover, to run beside the straggler."""
+    d = _stream(inflight_samples=2, admit=1, max_lag=1, ahead=1, stale_running="finish")
+    d.register(0, n=2)
+    (g0,) = d.groups()
+    early, late = d.running_of(g0)
+    d.finish(early, oldest=0)
+    acts = d.handover(0, updates=2)  # early's call is two updates old now
+    assert Discard(early, "stale") in of(Discard, acts) and of(Emit, acts) == []
+    (again,) = [s for s in of(Submit, acts) if s.cause == "stale"]
+    assert (again.key.group, again.key.sample, again.key.attempt) == (g0, early.sample, 1)
+    assert again.submitted_version == 2 and late in d.running()
+    d.finish(late, oldest=2)
+    (emit,) = of(Emit, d.finish(again.key, oldest=2))
+    assert [x.group for x in emit.groups] == [g0] and emit.record.lag == 0
+    assert emit.record.resubmitted["stale"] == 1
+
+
+@pytest.mark.parametrize("mode", ["cancel", "finish"])
+def test_stale_running_cancels_at_once_or_judges_the_result(mode):
+    d = _stream(inflight_samples=2, admit=1, max_lag=1, ahead=1, stale_running=mode)
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    first, second = d.running_of(g0)
+    acts = d.handover(0, updates=2)  # both submitted under version 0: past the bound
+    if mode == "cancel":
+        assert {c.key for c in of(Cancel, acts)} == {first, second}
+        assert all(c.reason == "stale" for c in of(Cancel, acts))
+        return
+    assert of(Cancel, acts) == []
+    acts = d.finish(first, oldest=0)  # its call was made under version 0: still stale
+    assert Discard(first, "stale") in of(Discard, acts)
+    (again,) = [s for s in of(Submit, acts) if s.cause == "stale"]
+    d.finish(second, oldest=2)  # its first call came after the push: admitted
+    (emit,) = of(Emit, d.finish(again.key, oldest=2))
+    assert emit.record.lag == 0 and emit.record.groups == 1
+
+
+def test_straggler_oversample_backs_up_a_group_whose_admitted_members_are_aging():
+    d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_lag=1, ahead=1,
+                oversample_start="straggler", stale_running="finish")
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    fast, straggler = d.running_of(g0)  # two of its three samples: the extra one waits
+    assert d.sched.credits == 1 and len(d.submitted) == 2
+    d.finish(fast, oldest=0)
+    (backup,) = of(Submit, d.handover(0, updates=0))
+    assert (backup.key.group, backup.key.sample, backup.key.attempt) == (g0, 2, 0)
+    assert backup.cause is None and d.sched.in_flight == 2 and d.sched.credits == 1
+    acts = d.finish(backup.key, oldest=0)  # the backup wins: the straggler is surplus
+    assert Cancel(straggler, "surplus") in of(Cancel, acts)
+    (emit,) = of(Emit, acts)
+    assert [x.samples for x in emit.groups] == [(fast, backup.key)]
+
+
+def test_straggler_oversample_waits_while_the_admitted_members_are_fresh():
+    d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_lag=3, ahead=1,
+                oversample_start="straggler")
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    fast, straggler = d.running_of(g0)
+    d.finish(fast, oldest=0)
+    assert of(Submit, d.handover(0, updates=0)) == []  # 0 > 0 - 3 + 1: no backup yet
+    d.finish(straggler, oldest=0)
+    assert d.ended.get(straggler) == "finish" and len(d.submitted) == 2
+
+
+def test_straggler_oversample_submits_the_extra_samples_once_the_group_needs_them():
+    d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_attempts=1,
+                oversample_start="straggler")
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    failed, _ = d.running_of(g0)
+    acts = d.finish(failed, status=Status.INFRA_ERROR, reward=None)
+    (extra,) = of(Submit, acts)
+    assert extra.key.sample == 2 and of(Abandon, acts) == []
+
+
+def test_straggler_oversample_needs_stream_admission():
+    with pytest.raises(ValueError, match="oversample_start"):
+        SchedulerConfig(admission="batch", oversample=1, oversample_start="straggler")
+
+
 def test_stream_emits_what_it_has_once_nothing_is_left_to_run():
     d = _stream(inflight_samples=2, admit=2, max_attempts=1)
     d.register(0, n=2)

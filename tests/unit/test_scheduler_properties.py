@@ -34,6 +34,8 @@ def configs(draw, admission=None):
     if admission == "stream":
         cfg["inflight_samples"] = (groups + oversample) * draw(st.integers(1, 4)) + draw(
             st.integers(0, groups + oversample - 1))
+        cfg["oversample_start"] = draw(st.sampled_from(["group", "straggler"]))
+    cfg["stale_running"] = draw(st.sampled_from(["cancel", "finish"]))
     return cfg
 
 

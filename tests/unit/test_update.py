@@ -101,7 +101,7 @@ def test_two_minibatches_take_the_hand_computed_update():
     model = Table()
     W0 = model.W.detach().numpy().copy()
     r = rows()
-    loss, metrics = update(PlainEngine(model, lr=8.0), GRPOObjective(), r, minibatches=2)
+    _, metrics = update(PlainEngine(model, lr=8.0), GRPOObjective(), r, minibatches=2)
     expected, clipped = by_hand(W0, r, [(0, 2), (2, 4)], epochs=1, lr=8.0)
     np.testing.assert_allclose(model.W.detach().numpy(), expected, atol=1e-4)
     assert metrics["updates"] == 2 and metrics["loss_tokens"] == float(r.loss_mask.sum())

@@ -285,6 +285,10 @@ def parser() -> argparse.ArgumentParser:
     vllm_bench = bench_sub.add_parser("vllm", help="a real vLLM server: push seconds, tokens/s, mismatch")
     bench_vllm.add_arguments(vllm_bench)
     vllm_bench.set_defaults(run=_bench_vllm)
+    learn = bench_sub.add_parser(
+        "learn", add_help=False, help="sync, batch and stream training: reward per sample and per "
+        "second (rollstream bench learn --help for its options)")
+    learn.set_defaults(run=None)  # main() hands `rollstream bench learn ...` to trainer.bench_learn
     return p
 
 
@@ -301,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer import demo
 
         return guarded("rollstream demo", lambda: demo.main(argv[1:]))
+    if argv[:2] == ["bench", "learn"]:  # so does the learning benchmark
+        from trainer import bench_learn
+
+        return guarded("rollstream bench learn", lambda: bench_learn.main(argv[2:]))
     if argv[:1] == ["chaos"]:  # so does the chaos run (rollstream chaos --help)
         from trainer import chaos
 

@@ -15,6 +15,8 @@ gradient_clipping: 1.0
 backend: auto           # gloo on CPU, nccl on GPU
 device: auto            # cuda when available, else cpu
 seed: 0
+minibatches: 1          # PPO: optimizer steps per pass over the step's rows (slices of rows)
+epochs: 1               # PPO: passes over the step's rows (the clip acts from the second step)
 deepspeed: {}           # extra DeepSpeed config keys, merged over the generated ones
 ```
 
@@ -119,6 +121,9 @@ class TrainerConfig(_Model):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    minibatches: int = Field(1, ge=1, description="PPO minibatches per step: optimizer steps on "
+                             "consecutive slices of the step's rows")
+    epochs: int = Field(1, ge=1, description="PPO passes over the step's rows")
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="extra DeepSpeed config, merged over the generated one")
 
@@ -233,4 +238,7 @@ class RunConfig(_Model):
     def _resume(self) -> RunConfig:
         if self.checkpoint.resume == "require" and not self.checkpoint.dir:
             raise ValueError("checkpoint.resume=require needs checkpoint.dir")
+        if self.trainer.minibatches > self.scheduler.rows:
+            raise ValueError(f"trainer.minibatches={self.trainer.minibatches} is more than the "
+                             f"scheduler.rows={self.scheduler.rows} a step packs")
         return self

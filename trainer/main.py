@@ -191,7 +191,8 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
 
         history = train(engine, sched, objective, batches(config.data, shard, shards, start),
                         steps=config.steps - start, on_step=step_done, metrics=metrics,
-                        shard=shard, first_step=start, stop=stopping)
+                        shard=shard, first_step=start, stop=stopping,
+                        minibatches=config.trainer.minibatches, epochs=config.trainer.epochs)
         end = start + len(history)
         if end > start and not (every and end % every == 0):  # else step_done saved it
             save(end)

@@ -30,9 +30,9 @@ The loss (`loss`) is decoupled PPO (AReaL, arXiv:2505.24298) with clip-higher (D
     loss  = - sum_{t in L} w_t s_t / |L|                   (token mean over loss tokens L)
 
 With `importance_cap`, `cap_mode="clamp"` uses min(w_t, cap); `cap_mode="mask"` drops the
-tokens with w_t > cap from the sum (they still count in |L|). `loss_tokens` overrides |L|
-(e.g. the count summed over data-parallel ranks, so that each rank's loss adds up to the
-step's token mean).
+tokens with w_t > cap from the sum (they still count in |L|). `loss_tokens` overrides |L|:
+`trainer.loop.global_tokens` gives the count over every data-parallel rank over the world
+size, so that the ranks' averaged gradients are those of the step's global token mean.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ class GRPOObjective:
         proximal_logp: torch.Tensor,
         *,
         trainer_version: int | None = None,
-        loss_tokens: int | None = None,
+        loss_tokens: float | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The decoupled PPO loss and its metrics (see `loss_metrics`)."""
         rows = _as_rows(rows, new_logp.device)
@@ -269,9 +269,9 @@ class GRPOObjective:
             weight = weight.clamp(max=self.importance_cap)
         elif self.importance_cap is not None:
             keep = mask & (weight <= self.importance_cap)
-        count = int(mask.sum()) if loss_tokens is None else loss_tokens
+        count = float(mask.sum()) if loss_tokens is None else loss_tokens
         total = torch.where(keep, weight * surrogate, torch.zeros_like(surrogate)).sum()
-        loss = -total / max(count, 1)
+        loss = -total / (count if count > 0 else 1.0)
         metrics = self.loss_metrics(ratio, rows, prox, trainer_version)
         metrics["loss"] = float(loss.detach())
         return loss, metrics

@@ -25,6 +25,13 @@ TRUNCATED (`max_new_tokens`, rewarded by the episode's verifier where it has one
 completion) end it TRUNCATED with that reason. `request.cancelled` is polled before every
 token: a cancelled session returns CANCELLED within one forward pass.
 
+Generation time: `delay_median_s` > 0 delays each session by a log-normal draw (median
+`delay_median_s`, shape `delay_sigma`, capped at `delay_cap` times the median) before its
+first call, as LLM decoding time varies with the output's length: heavy-tailed, so that
+synchronous and asynchronous schedules differ in wall time on a CPU as they would on GPUs
+(`rollstream bench learn`). The draw comes from the session's own generator (seeded runs
+draw the same delays); a cancelled session stops waiting at once.
+
 Thread-safety: the consumer runs each session in its own thread and several share this
 object. Models live in a pool: a session checks one out for its whole length (a model per
 running session, built on demand, reused afterwards), so sessions never share a model;
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -48,6 +56,7 @@ import torch
 from torch import nn
 
 from consumers.sources import envs as envs_module
+from consumers.sources.sleep import wait_cancelled
 from consumers.weights import WeightsLoader, WeightsMissing, weights_loader
 from pipeline.sessions import Call, Session, SessionRequest, Status
 from trainer.model import TinyConfig, TinyTransformer, vocab_size
@@ -141,8 +150,13 @@ class PolicySource:
 
     def __init__(self, *, env: Any, env_args: Mapping[str, Any] | None = None, model_config: Any = None,
                  temperature: float = 1.0, max_new_tokens: int = 8, max_turns: int | None = None,
-                 max_tokens: int | None = None, weights: Any = None, seed: int | None = None) -> None:
+                 max_tokens: int | None = None, weights: Any = None, seed: int | None = None,
+                 delay_median_s: float = 0.0, delay_sigma: float = 1.0, delay_cap: float = 20.0) -> None:
         env = envs_module.environment(env, env_args)
+        if delay_median_s < 0 or delay_sigma < 0 or delay_cap < 1:
+            raise ValueError(f"need delay_median_s >= 0, delay_sigma >= 0, delay_cap >= 1; got "
+                             f"{delay_median_s}, {delay_sigma}, {delay_cap}")
+        self.delay_median_s, self.delay_sigma, self.delay_cap = delay_median_s, delay_sigma, delay_cap
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if max_new_tokens < 1 or (max_turns is not None and max_turns < 1):
@@ -210,12 +224,21 @@ class PolicySource:
             gen.manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little"))
         return gen
 
+    def draw_delay_s(self, generator: torch.Generator) -> float:
+        """The session's generation time: a log-normal draw (0 without `delay_median_s`)."""
+        if not self.delay_median_s:
+            return 0.0
+        z = float(torch.randn((), generator=generator))
+        return self.delay_median_s * min(math.exp(self.delay_sigma * z), self.delay_cap)
+
     # ------------------------------------------------------------------ a session
 
     def run(self, request: SessionRequest) -> Session:
         started = time.time()
         episode = self.env.start(request.task)
         generator = self._generator(request)
+        # its own generator, so that the sampled tokens are the same with and without delays
+        delay = self.draw_delay_s(torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED))
         prompt = list(episode.prompt)
         calls: list[Call] = []
 
@@ -224,6 +247,8 @@ class PolicySource:
             return Session(status, reward, dict(components or {}), calls, truncation,
                            {"run_s": time.time() - started})
 
+        if delay and wait_cancelled(request, delay):
+            return end(Status.CANCELLED)
         with self.policy() as policy:
             while True:
                 if request.cancelled.is_set():

@@ -154,5 +154,5 @@ def test_the_demo_learns_copy_one_digit(tmp_path):
 
     assert main(["--out", str(tmp_path), "--quiet"]) == 0
     rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= first + 0.3, (first, last, rewards)
+    last = sum(rewards[-10:]) / 10
+    assert last >= 0.8, (last, rewards)

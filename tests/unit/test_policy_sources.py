@@ -62,6 +62,26 @@ def test_sampling_is_reproducible_per_seed_and_request():
     assert make().run(request("9", sample=1)).calls != a.calls
 
 
+def test_sessions_are_delayed_by_a_seeded_log_normal_draw_that_leaves_the_samples_alone():
+    make = lambda **kw: PolicySource(env=ArithmeticEnv(), model_config=CONFIG, max_new_tokens=2, seed=3, **kw)
+    delayed, plain = make(delay_median_s=0.5, delay_sigma=1.0, delay_cap=4.0), make()
+    draws = [delayed.draw_delay_s(torch.Generator().manual_seed(i)) for i in range(400)]
+    assert draws == [delayed.draw_delay_s(torch.Generator().manual_seed(i)) for i in range(400)]
+    draws.sort()
+    assert 0.4 < draws[200] < 0.6 and draws[-1] == pytest.approx(2.0)  # median, cap x median
+    assert draws[360] > 3 * draws[200]  # a heavy tail: the 90th percentile ~3.6x the median
+    assert plain.draw_delay_s(torch.Generator().manual_seed(0)) == 0.0
+    fast = make(delay_median_s=0.001)
+    a, b = fast.run(request("4")), plain.run(request("4"))
+    assert list(a.calls[0].completion_ids) == list(b.calls[0].completion_ids)  # the delay's draw is apart
+    cancelled = threading.Event()
+    cancelled.set()
+    slow = make(delay_median_s=3600.0, delay_sigma=0.0)
+    assert slow.run(request("4", cancelled=cancelled)).status is Status.CANCELLED  # no hour's wait
+    with pytest.raises(ValueError, match="delay_median_s"):
+        make(delay_median_s=-1.0)
+
+
 def test_a_weight_push_mid_session_is_loaded_before_the_next_call(tmp_path):
     pub = DirectoryPublisher(tmp_path, keep=2)
     pub.load(eos_model(3.0), 1)

@@ -1,4 +1,4 @@
-"""Child processes of the local tools (`trainer.local.LocalRun`, `rollstream chaos`,
+"""Child processes of the local tools (`rollstream.local.LocalRun`, `rollstream chaos`,
 `rollstream bench schedule`, the tests): `Process` runs one with its output in a log file,
 in a session of its own (so `kill` reaches a launcher and its workers); `free_port` picks a
 port below the kernel's ephemeral range. Standard library only.

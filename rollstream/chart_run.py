@@ -322,7 +322,7 @@ def image_problems(docs: list[dict[str, Any]], image: ImageSpec, *, image_name: 
     absolute path in the args and environment is under a mount or in the image; and the
     variables naming a place to write (HOME, TMPDIR, *_HOME, *_CACHE_DIR) point under a
     writable mount (the root filesystem is read-only)."""
-    from pipeline.cli import parser
+    from rollstream.cli import parser
 
     out = []
     if image.entrypoint[:1] != ("rollstream",):

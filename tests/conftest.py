@@ -7,7 +7,7 @@
   are deleted at teardown with SCAN MATCH + UNLINK (never FLUSHALL/FLUSHDB: the server is
   shared).
 - `procs`: starts admission and rollout consumers as subprocesses
-  (`python -m consumers.admission|rollout --config FILE`); each is stopped at teardown
+  (`python -m rollstream.cli admission|consumer --config FILE`); each is stopped at teardown
   (SIGTERM, then SIGKILL by pid).
 - `threads`: runs `Admission` / `RolloutConsumer` in threads of the test process; stopped
   and joined at teardown, which fails the test if any of them raised.
@@ -115,20 +115,20 @@ class Procs:
         path.write_text(json.dumps(config.model_dump(mode="json")))
         return path
 
-    def _start(self, module: str, config: Path, extra: list[str]) -> Proc:
+    def _start(self, role: str, config: Path, extra: list[str]) -> Proc:
         n = len(self.started)
-        proc = Proc([sys.executable, "-m", module, "--config", str(config), *extra],
-                    self.tmp / f"{module.split('.')[-1]}-{n}.log")
+        proc = Proc([sys.executable, "-m", "rollstream.cli", "--log-level", "INFO", role, "--config", str(config),
+                     *extra], self.tmp / f"{role}-{n}.log")
         self.started.append(proc)
         return proc
 
     def admission(self, *, snapshot_every: int | None = None, **overrides: Any) -> Proc:
         extra = [] if snapshot_every is None else ["--snapshot-every", str(snapshot_every)]
-        return self._start("consumers.admission", self._config(AdmissionConfig, "admission", overrides), extra)
+        return self._start("admission", self._config(AdmissionConfig, "admission", overrides), extra)
 
     def consumer(self, *, name: str | None = None, **overrides: Any) -> Proc:
         extra = [] if name is None else ["--name", name]
-        return self._start("consumers.rollout", self._config(ConsumerConfig, "consumer", overrides), extra)
+        return self._start("consumer", self._config(ConsumerConfig, "consumer", overrides), extra)
 
     def stop_all(self) -> None:
         for proc in self.started:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline import bench_admission, bench_schedule
+from rollstream import bench_admission, bench_schedule
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trainer import chaos
+from rollstream import chaos
 
 pytestmark = pytest.mark.timeout(600)
 

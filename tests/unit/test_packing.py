@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import bench_pack
+from rollstream import bench_pack
 from pipeline.advantages import group_advantages
 from pipeline.chains import Chain
 from pipeline.packing import Group, PackedBatch, Rollout, check_support, pack

@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
-from consumers.sources.envs import VOCAB, ArithmeticEnv, GuessEnv, score
+from domain.envs import VOCAB, ArithmeticEnv, GuessEnv, score
 from consumers.sources.policy import PolicySource
 from consumers.sources.prompts import PromptSetSource
 from pipeline.sessions import SessionRequest, Status, Task
 from producers.publishers import DirectoryPublisher
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import next_token_log_probs
 
 CONFIG = TinyConfig(vocab=VOCAB.size, d_model=16, n_layers=1, n_heads=2, max_positions=128)

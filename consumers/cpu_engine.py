@@ -493,12 +493,12 @@ class Engine:
             gone = threading.Event()
 
             def emit(token: int, lp: float, version: int) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (token, lp, version))
+                loop.call_soon_threadsafe(queue.put_nowait, (token, lp, version))  # noqa: B023 (awaited within this iteration)
 
-            task = loop.run_in_executor(None, lambda: self.sample(prompt, params, generator, emit, gone.is_set))
+            task = loop.run_in_executor(None, lambda: self.sample(prompt, params, generator, emit, gone.is_set))  # noqa: B023 (awaited within this iteration)
             # the sentinel follows every token (both are scheduled on this loop in order);
             # reading the exception keeps a Stopped task from being reported as unretrieved
-            task.add_done_callback(lambda f: (f.cancelled() or f.exception(), queue.put_nowait(None)))
+            task.add_done_callback(lambda f: (f.cancelled() or f.exception(), queue.put_nowait(None)))  # noqa: B023 (awaited within this iteration)
             said: list[int] = []
             try:
                 while (item := await queue.get()) is not None:

@@ -258,7 +258,8 @@ def describe(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
     unknown field gets a hint: the field it is close to ("did you mean"), or the section
     that has a field of that name; several unknown fields that all belong to one section
     (a section's content written at the top level) get one clause that says so."""
-    clauses, misplaced = [], {}
+    clauses: list[str] = []
+    misplaced: dict[tuple[tuple[Any, ...], str], list[tuple[str, str]]] = {}
     for err in exc.errors():
         loc = err["loc"]
         where = ".".join(_name(p) for p in loc) or "(config)"

@@ -338,7 +338,7 @@ class Scheduler:
         self._last_step = -1
         self._last_batch = -1
         self._broken: str | None = None
-        self._counts = Counter()
+        self._counts: Counter[str] = Counter()
         self._resubmitted: Counter[str] = Counter()
         self._held_credits: dict[int, list] = {}  # backfill="group": gid -> [group, credits]
         self.credits = self.target = 0

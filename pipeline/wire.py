@@ -193,7 +193,7 @@ def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
 # definition. So a prompt token costs 4 bytes and a bit, a completion token 8 bytes and a bit
 # (plus its support row): a single call costs about what it did as a call (2-7% more), and
 # every call that continues a chain saves its repeated prompt.
-_CHAIN_DTYPES = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tokens": np.dtype("<i8"),
+_CHAIN_DTYPES: dict[str, np.dtype] = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tokens": np.dtype("<i8"),
                  "tokens": TOKEN_DTYPE, "loss_mask": np.dtype("|u1"), "logprobs": LOGPROB_DTYPE,
                  "versions": VERSION_DTYPE, "version_runs": np.dtype("<i4")}
 
@@ -307,8 +307,7 @@ def _chains_wire(chains: Any) -> Any:
     support = arrays.get("support")
     if support is not None:
         support = np.ascontiguousarray(support[loss], TOKEN_DTYPE)
-        support = {"shape": list(support.shape), "data": support.tobytes()}
-    out["support"] = support
+    out["support"] = None if support is None else {"shape": list(support.shape), "data": support.tobytes()}
     return out
 
 
@@ -376,7 +375,7 @@ _KINDS: dict[str, type[Message]] = {}
 
 def _message(kind: str, **spec: Callable[[Any, str], Any]):
     """Register a message dataclass under `kind`, checked by `spec` (a checker per field, in order)."""
-    def register(cls: type) -> type:
+    def register(cls: Any) -> Any:
         names = [f.name for f in dataclasses.fields(cls)]
         if names != list(spec):
             raise TypeError(f"{cls.__name__}: spec {list(spec)} != fields {names}")
@@ -592,7 +591,7 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
     if cls is None:
         raise SchemaError("k", f"unknown kind {kind!r}")
     if expect is not None and not issubclass(cls, expect):
-        names = [t.KIND for t in (expect if isinstance(expect, tuple) else (expect,))]
+        names = [getattr(t, "KIND", t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,))]
         raise SchemaError("k", f"expected {' or '.join(names)}, got {kind!r}")
     for key in d:
         if key not in cls.SPEC and key not in ("v", "k"):
@@ -630,7 +629,7 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
     return data
 
 
-def decode(data: bytes, expect: type | tuple[type, ...] | None = None, *,
+def decode(data: bytes | bytearray | memoryview, expect: type | tuple[type, ...] | None = None, *,
            max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """The message in `data`; with `expect`, refuse other kinds. Raises only SchemaError."""
     if not isinstance(data, (bytes, bytearray, memoryview)):

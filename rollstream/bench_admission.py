@@ -131,7 +131,7 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
             if not items:
                 continue
             pipe = r.pipeline(transaction=False)
-            for entry_id, fields in items:
+            for _entry_id, fields in items:
                 data = fields[wire.FIELD]
                 msgpack.unpackb(data, raw=False, strict_map_key=False)
                 pipe.xadd(sink, {wire.FIELD: data})

@@ -195,7 +195,7 @@ class RolloutScheduler:
         self._stack.callback(self.r.close)
         check(self.r, redis_config)  # an unreachable Redis or refused credentials: one clear error now
         self.keys = Keys(redis_config.namespace)
-        limit = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
+        limit: dict[str, Any] = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
         self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s,
                                  stop=self.stop, **limit)
         # the trainer's scheduler config is the run's: an admission already running under

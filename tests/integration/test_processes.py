@@ -46,7 +46,7 @@ def test_cli_processes_serve_a_trainer_connected_by_url(tmp_path, redis_config, 
         with RolloutScheduler(None, None, pub, redis=redis_config.url,
                               namespace=redis_config.namespace, log=records.append,
                               step_timeout_s=60, **scheduler) as sched:
-            for i, batch in enumerate(sched.tasks([{"task_id": [3 * i, 3 * i + 1]} for i in range(3)])):
+            for batch in sched.tasks([{"task_id": [3 * i, 3 * i + 1]} for i in range(3)]):
                 rows = sched(batch, None)
                 assert tuple(rows.tokens.shape) == (4, 64)
         assert [r.groups for r in records] == [2, 2, 2]

@@ -105,7 +105,7 @@ def test_streamed_calls_are_recorded_whole_and_passed_through(fleet, chat):
 def test_a_multi_turn_conversation_records_calls_that_merge_into_one_chain(fleet):
     client, messages = fleet.client("mt"), list(GUESS)
     fleet.engines[0].model = eos_biased()  # <eos> is likely: replies end both ways
-    for turn in range(6):
+    for _turn in range(6):
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
         messages += [{"role": "assistant", "content": answer.choices[0].message.content},
                      {"role": "user", "content": "<higher>"}]

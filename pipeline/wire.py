@@ -32,14 +32,14 @@ import numpy as np
 
 from pipeline.chains import (
     NO_VERSION, VERSION_DTYPE, Chain, chains_to_arrays, merge_calls, uniform_support)
+from pipeline.config import MAX_MESSAGE_BYTES
 from pipeline.packing import Rollout
+from pipeline.scheduler import CAUSES  # of a resubmission
 from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task
 
 SCHEMA_VERSION = 2
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 FIELD = b"m"  # the one field of a stream entry: the encoded message
 DEAD_LETTER_BYTES = 64 * 1024  # how much of an undecodable entry a dead letter keeps
-CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")  # of a resubmission
 # the dtypes a packed step's arrays may have: little-endian and numeric
 ARRAY_DTYPES = frozenset(
     {"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})

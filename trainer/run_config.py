@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.config import RedisConfig, SchedulerConfig, _Model, metrics_address
+from pipeline.config import MAX_MESSAGE_BYTES, RedisConfig, SchedulerConfig, _Model, metrics_address
 from domain.model_config import ModelConfig
 
 
@@ -161,7 +161,7 @@ class RunConfig(_Model):
     share: int = Field(1, ge=1, description="ranks reading one batch share (first_reader_batch)")
     step_timeout_s: float = Field(3600.0, gt=0)
     max_message_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024, description="largest entry the trainer writes (bigger: refused, "
+        MAX_MESSAGE_BYTES, ge=1024, description="largest entry the trainer writes (bigger: refused, "
         "nothing written) or reads (bigger: dead-lettered); as the admission consumers'")
     record: str | None = Field(
         None, description="JSON lines, one per step (StepRecord.row() and the trained tasks); "

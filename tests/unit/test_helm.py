@@ -238,6 +238,33 @@ def test_schema_mirrors_the_config_models():
     assert set(props["trainer"]["properties"]["config"]["properties"]) == trainer_fields
 
 
+def _enums(schema: dict, defs: dict) -> list | None:
+    """The values a JSON schema property allows when it is an enumeration (`anyOf` a null too)."""
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[1]]
+    if "enum" in schema:
+        return list(schema["enum"])
+    for option in schema.get("anyOf", []):
+        if "enum" in option:
+            return list(option["enum"])
+    return None
+
+
+@pytest.mark.parametrize("path, model", [
+    (("scheduler",), SchedulerConfig), (("consumer", "config"), ConsumerConfig),
+    (("admission", "config"), AdmissionConfig), (("trainer", "config"), RunConfig)])
+def test_schema_enums_are_the_config_models_values(path, model):
+    """Every policy the chart's schema lists is the config's: the same values, in order."""
+    node = json.loads((CHART / "values.schema.json").read_text())
+    for part in path:
+        node = node["properties"][part]
+    theirs = model.model_json_schema()
+    defs = theirs.get("$defs", {})
+    for name, prop in node["properties"].items():
+        chart, ours = _enums(prop, {}), _enums(theirs["properties"][name], defs)
+        assert chart == ours, f"{'.'.join(path)}.{name}: the chart allows {chart}, the config {ours}"
+
+
 @pytest.mark.parametrize("values, message", [
     ({"redis": {"enabled": True, "external": {"url": "redis://r:6379/0"}}}, "both redis.enabled and redis.external.url"),
     ({"redis": {"enabled": False}}, "no Redis"),

@@ -11,6 +11,10 @@
   (SIGTERM, then SIGKILL by pid).
 - `threads`: runs `Admission` / `RolloutConsumer` in threads of the test process; stopped
   and joined at teardown, which fails the test if any of them raised.
+
+Every test that uses a Redis fixture (`redis_url`, `embedded_url` or any fixture built on
+them) is marked `redis` here, so `pytest -m "not redis"` runs without any Redis; a test that
+starts a Redis of its own is marked `redis` where it is written.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ SERVER_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379
 
 
 # ---------------------------------------------------------------------------- Redis
+
+REDIS_FIXTURES = frozenset({"redis_url", "embedded_url"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)
 
 
 def _unreachable(url: str) -> str | None:

@@ -23,7 +23,7 @@ from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective, next_token_log_probs
 from trainer.rollout_scheduler import RolloutScheduler
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
 TINY = {"vocab": VOCAB.size, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_positions": 32}
 

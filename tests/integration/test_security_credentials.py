@@ -69,6 +69,7 @@ def _status(capsys, config_file: Path, *extra: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.redis
 def test_the_password_never_shows_in_logs_status_errors_or_metrics(server, tmp_path, monkeypatch, caplog, capsys):
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("RS_TEST_SECRET", SECRET)
@@ -140,6 +141,7 @@ def test_the_password_never_shows_in_logs_status_errors_or_metrics(server, tmp_p
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.redis
 def test_the_acl_user_may_run_the_pipeline_and_nothing_else(server, tmp_path):
     secret = tmp_path / "password"
     secret.write_text(SECRET + "\n")
@@ -159,6 +161,7 @@ def test_the_acl_user_may_run_the_pipeline_and_nothing_else(server, tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.redis
 def test_tls_and_the_acl_user_together(tmp_path):
     with tls_server(tmp_path) as (s, certs):
         _acl_setup(s.admin(password=None, ssl=True, ssl_ca_certs=str(certs["ca.crt"])))

@@ -91,6 +91,7 @@ def test_a_local_hugging_face_model_directory_trains_and_matches_the_rollout_sid
         build(TrainerConfig, {"model": {"kind": "tiny", "path": str(tmp_path)}})
 
 
+@pytest.mark.redis
 def test_loop_trains_through_the_pipeline_and_pushes_weights_back():
     cfg = config(zero_stage=1)
     env = ArithmeticEnv()
@@ -130,6 +131,7 @@ def test_loop_trains_through_the_pipeline_and_pushes_weights_back():
             assert s.train["mismatch_kl"] < 1e-4
 
 
+@pytest.mark.redis
 def test_demo_writes_metrics_jsonl_with_the_documented_fields(tmp_path, capsys):
     from rollstream.demo import main
 
@@ -149,6 +151,7 @@ def test_demo_writes_metrics_jsonl_with_the_documented_fields(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.redis
 def test_the_demo_learns_copy_one_digit(tmp_path):
     from rollstream.demo import main
 

@@ -179,6 +179,7 @@ class SteppedPublisher(VLLMPublisher):
         return paused
 
 
+@pytest.mark.redis
 def test_pushes_land_through_a_reset_cache_and_requests_in_flight_finish_under_their_weights(
         vllm, gateway, model_dir, tmp_path):
     base = hf(model_dir)

@@ -16,7 +16,7 @@ from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective
 from trainer.rollout_scheduler import RolloutScheduler
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
 CONFIG = TinyConfig(vocab=VOCAB.size, d_model=16, n_layers=1, n_heads=2, max_positions=64)
 

@@ -47,12 +47,14 @@ RUN pip install --upgrade pip setuptools wheel \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY pipeline ./pipeline
+COPY domain ./domain
 COPY producers ./producers
 COPY consumers ./consumers
 COPY trainer ./trainer
+COPY rollstream ./rollstream
 # no build isolation: deepspeed's build must see the torch installed above
 RUN pip install --no-build-isolation . \
-    && python -c "import pipeline, torch; print('torch', torch.__version__)"
+    && python -c "import rollstream.cli, torch; print('torch', torch.__version__)"
 
 # ------------------------------------------------------------------------------ runtime
 FROM ${BASE} AS runtime

@@ -54,7 +54,6 @@ and a consumer that another has replaced finds its next transaction refused (`Fe
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import logging
@@ -73,8 +72,7 @@ import redis
 from consumers import journal, trimming
 from consumers.fence import Fence
 from pipeline import wire
-from pipeline.config import AdmissionConfig, load, scheduler_differences
-from pipeline.errors import guarded
+from pipeline.config import AdmissionConfig, scheduler_differences
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
 from pipeline.metrics import Metrics, serving
 from pipeline.packing import Group, PackedBatch, Rollout, pack
@@ -877,18 +875,3 @@ def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
         recovered.set()
         admission.run(stop)
     return 0
-
-
-def _cli(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m consumers.admission")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--snapshot-every", type=int, default=None,
-                        help="transitions between scheduler snapshots (overrides the config)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    return guarded(parser.prog, lambda: main(load(AdmissionConfig, args.config), snapshot_every=args.snapshot_every),
-                   config=args.config)
-
-
-if __name__ == "__main__":
-    raise SystemExit(_cli())

@@ -18,7 +18,7 @@ engine stamps (`weight_version`, or SGLang's `metadata.weight_version`). An engi
 stamps none (vLLM's OpenAI answers) is credited with the version set for it with `POST
 /weight_version`, else 0: the older of the version set when the call started and when it
 ended, so a call is never credited with weights newer than those that served it. A
-`producers.engines` publisher brackets each engine's push: `POST /engines/hold` first (new
+`producers.engine_publishers` publisher brackets each engine's push: `POST /engines/hold` first (new
 calls to that engine wait in the gateway, up to `hold_timeout_s`, while the calls in flight
 finish under the old weights), then `POST /weight_version` once the engine serves the new
 version (the held calls go on, credited with it), or `POST /engines/release` after a failed
@@ -570,7 +570,7 @@ def _choices(data: Mapping[str, Any], chat: bool) -> list[Choice] | ProtocolErro
 
 
 def main(args: argparse.Namespace) -> int:
-    """`rollstream gateway` (its options: `pipeline.cli`)."""
+    """`rollstream gateway` (its options: `rollstream.cli`)."""
     from consumers.http import serve
 
     gateway = Gateway(args.engine, timeout_s=args.timeout_s, health_interval_s=args.health_interval_s,

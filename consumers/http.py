@@ -1,4 +1,4 @@
-"""What the HTTP servers of the rollout side (`consumers.engine`, `consumers.gateway`) share:
+"""What the HTTP servers of the rollout side (`consumers.cpu_engine`, `consumers.gateway`) share:
 OpenAI-style errors, request-body validation that names the field, Server-Sent Events, and
 running an aiohttp application on a port (a process's main thread, or a background thread in
 tests and in-process set-ups).

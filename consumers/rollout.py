@@ -47,7 +47,6 @@ lease to lapse.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import math
@@ -68,8 +67,7 @@ import redis
 
 from consumers.sources import load_source
 from pipeline import wire
-from pipeline.config import ConsumerConfig, build, load
-from pipeline.errors import guarded
+from pipeline.config import ConsumerConfig
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.metrics import Metrics, serving
 from pipeline.redis_io import (
@@ -668,26 +666,3 @@ def main(config: ConsumerConfig, source: Any = None, name: str | None = None) ->
         consumer._observe_slots()
         consumer.run(stop)
     return 0
-
-
-def _cli(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m consumers.rollout")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--source", help="module:factory (overrides the config)")
-    parser.add_argument("--slots", type=int, help="concurrent sessions (overrides the config)")
-    parser.add_argument("--name", help="consumer name (default: host-pid-random)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-
-    def run() -> int:
-        config = load(ConsumerConfig, args.config)
-        overrides = {k: v for k, v in (("source", args.source), ("slots", args.slots)) if v is not None}
-        if overrides:
-            config = build(ConsumerConfig, {**config.model_dump(), **overrides})
-        return main(config, name=args.name)
-
-    return guarded(parser.prog, run, config=args.config)
-
-
-if __name__ == "__main__":
-    raise SystemExit(_cli())

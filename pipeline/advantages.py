@@ -28,13 +28,48 @@ reward r_i, n = |B|, mean m and population standard deviation s of the rewards i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
-from pipeline.config import ESTIMATORS, TRUNCATIONS
 from pipeline.sessions import Status
+
+# The policies, each a row of a table: a new one is a Literal value and a row (test_packing
+# checks that they agree), then its value in the chart's values.schema.json (test_helm).
+Truncation = Literal["mask", "score", "zero"]
+Estimator = Literal["group", "group_mean", "rloo"]
+
+
+def _scored(reward: float | None) -> float:
+    if reward is None:
+        raise ValueError(
+            "a TRUNCATED rollout without a reward cannot train under truncation='score' "
+            "(the scheduler resubmits it with cause 'unscored')"
+        )
+    return float(reward)
+
+
+TRUNCATIONS: dict[str, Callable[[float | None], float | None]] = {
+    "mask": lambda reward: None,  # in the group, not trained, outside the baseline
+    "score": _scored,  # its verifier reward
+    "zero": lambda reward: 0.0,  # a length penalty
+}
+"""The reward a TRUNCATED rollout trains on (None: masked), by `truncation` (docstring)."""
+
+
+def _rloo(base: np.ndarray, eps: float) -> np.ndarray:
+    n = len(base)
+    return base - (base.sum() - base) / (n - 1) if n > 1 else np.zeros(n)
+
+
+ESTIMATORS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
+    "group": lambda base, eps: (base - base.mean()) / (base.std() + eps),
+    "group_mean": lambda base, eps: base - base.mean(),
+    "rloo": _rloo,
+}
+"""The advantages of the rewards of a group's baseline set, by `estimator` (docstring)."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +85,9 @@ class GroupScores:
 def check_policy(estimator: str, truncation: str) -> None:
     """Raise ValueError for an unknown estimator or truncation policy."""
     if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        raise ValueError(f"estimator must be one of {tuple(ESTIMATORS)}, got {estimator!r}")
     if truncation not in TRUNCATIONS:
-        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        raise ValueError(f"truncation must be one of {tuple(TRUNCATIONS)}, got {truncation!r}")
 
 
 def training_reward(status: Status, reward: float | None, truncation: str) -> float | None:
@@ -68,16 +103,7 @@ def training_reward(status: Status, reward: float | None, truncation: str) -> fl
     if status is Status.AGENT_ERROR:
         return 0.0 if reward is None else float(reward)
     if status is Status.TRUNCATED:
-        if truncation == "mask":
-            return None
-        if truncation == "zero":
-            return 0.0
-        if reward is None:
-            raise ValueError(
-                "a TRUNCATED rollout without a reward cannot train under truncation='score' "
-                "(the scheduler resubmits it with cause 'unscored')"
-            )
-        return float(reward)
+        return TRUNCATIONS[truncation](reward)
     raise ValueError(f"a {status.name} rollout is never admitted, so it cannot be packed")
 
 
@@ -104,13 +130,6 @@ def group_advantages(
     )
     adv = np.zeros(len(used), dtype=np.float64)
     base = reported[trained]
-    n = len(base)
-    if n:
-        mean = base.mean()
-        if estimator == "group":
-            adv[trained] = (base - mean) / (base.std() + eps)
-        elif estimator == "group_mean":
-            adv[trained] = base - mean
-        elif n > 1:  # rloo
-            adv[trained] = base - (base.sum() - base) / (n - 1)
+    if len(base):
+        adv[trained] = ESTIMATORS[estimator](base, eps)
     return GroupScores(rewards=reported, advantages=adv, trained=trained)

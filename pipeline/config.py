@@ -21,12 +21,12 @@ from urllib.parse import unquote, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.advantages import Estimator, Truncation
 from pipeline.errors import ConfigError
 
-ESTIMATORS = ("group", "group_mean", "rloo")
-TRUNCATIONS = ("mask", "score", "zero")
-ADMISSIONS = ("batch", "stream")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the default of every process's `max_message_bytes` (pipeline.wire's)
+Admission = Literal["batch", "stream"]
+ADMISSIONS = typing.get_args(Admission)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the default of every process's `max_message_bytes`, and the wire's
 
 
 class _Model(BaseModel):
@@ -46,9 +46,9 @@ class SchedulerConfig(_Model):
     sync_every: int = Field(1, ge=1, description="push weights once the served version is this far behind")
     max_attempts: int = Field(3, ge=1, description="failed attempts per sample before its group is abandoned")
     timeout_s: float | None = Field(None, gt=0, description="deadline of a rollout from its submission")
-    estimator: Literal["group", "group_mean", "rloo"] = "group"
-    truncation: Literal["mask", "score", "zero"] = "mask"
-    admission: Literal["batch", "stream"] = "batch"
+    estimator: Estimator = "group"  # pipeline.advantages.ESTIMATORS
+    truncation: Truncation = "mask"  # pipeline.advantages.TRUNCATIONS
+    admission: Admission = "batch"
     inflight_samples: int | None = Field(
         None, ge=1, description="stream mode: samples kept in flight; None: (ahead + 1) batches' worth"
     )
@@ -291,7 +291,8 @@ def describe(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
     unknown field gets a hint: the field it is close to ("did you mean"), or the section
     that has a field of that name; several unknown fields that all belong to one section
     (a section's content written at the top level) get one clause that says so."""
-    clauses, misplaced = [], {}
+    clauses: list[str] = []
+    misplaced: dict[tuple[tuple[Any, ...], str], list[tuple[str, str]]] = {}
     for err in exc.errors():
         loc = err["loc"]
         where = ".".join(_name(p) for p in loc) or "(config)"

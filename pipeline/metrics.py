@@ -19,7 +19,7 @@ counts a step twice; the rest stay empty in a process's scrape):
   (steps, updates, its own wait, step seconds, tokens per second, mean reward, the loss
   metrics), `observe_push` per weight push (the publishing rank);
 - `rollstream engine` (no labels): the version it serves, whether it follows the run's
-  weights and its failed attempts (`consumers.engine`, served on its own `/metrics`).
+  weights and its failed attempts (`consumers.cpu_engine`, served on its own `/metrics`).
 
 `serve(metrics, "host:port", health=..., ready=...)` runs the HTTP endpoint: `/metrics`
 (Prometheus text, or OpenMetrics when the scraper asks for it), `/healthz` and `/readyz`.

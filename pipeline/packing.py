@@ -16,7 +16,7 @@ Rules:
 - Chains never cross a row; a row holds chains of any number of groups. Within a group,
   chains are placed longest first, each into the row with the least room that still fits
   it (best-fit decreasing), which packs realistic length mixes to >= 95% non-pad tokens
-  when there is enough data to fill the rows (`pipeline.bench_pack`).
+  when there is enough data to fill the rows (`rollstream.bench_pack`).
 - The fill is vectorised: one `np.repeat`/scatter over all placed tokens, no Python loop
   per token.
 

@@ -1,4 +1,4 @@
-"""Child processes of the local tools (`trainer.local.LocalRun`, `rollstream chaos`,
+"""Child processes of the local tools (`rollstream.local.LocalRun`, `rollstream chaos`,
 `rollstream bench schedule`, the tests): `Process` runs one with its output in a log file,
 in a session of its own (so `kill` reaches a launcher and its workers); `free_port` picks a
 port below the kernel's ephemeral range. Standard library only.
@@ -30,6 +30,13 @@ def free_port(low: int = 20000, high: int = 32000) -> int:
     raise RuntimeError(f"no free port in {low}..{high}")
 
 
+def child_env(env: Mapping[str, str] | None = None, *, inherit_env: bool = True) -> dict[str, str]:
+    """A child's environment: this process's with `env` over it, or `env` alone with
+    `inherit_env=False`; PYTHONPATH leads with the repository, so the child runs this tree."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**(os.environ if inherit_env else {}), "PYTHONPATH": path, **(env or {})}
+
+
 class Process:
     """One child process; stdout and stderr go to `log`. Its environment is this process's
     with `env` over it, or `env` alone with `inherit_env=False` (PYTHONPATH always leads with
@@ -40,10 +47,8 @@ class Process:
                  cwd: Path | None = None, inherit_env: bool = True) -> None:
         self.role, self.args, self.log = role, args, log
         self._out = open(log, "ab")  # noqa: SIM115 (held for the process lifetime, closed in wait)
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        full_env = {**(os.environ if inherit_env else {}), "PYTHONPATH": path, **(env or {})}
         self.popen = subprocess.Popen(args, cwd=cwd or ROOT, stdout=self._out, stderr=subprocess.STDOUT,
-                                      env=full_env, start_new_session=True)
+                                      env=child_env(env, inherit_env=inherit_env), start_new_session=True)
 
     @property
     def pid(self) -> int:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -388,10 +388,10 @@ def append_once(r: redis.Redis, stream: str, fields: dict, *, what: str, total_s
     while True:
         try:
             if unsure:
-                for entry_id, last in r.xrevrange(stream, count=1):
-                    if {_as_bytes(k): _as_bytes(v) for k, v in last.items()} == want:
+                for entry_id, last in r.xrevrange(stream, count=1) or []:
+                    if {_as_bytes(k): _as_bytes(v) for k, v in (last or {}).items()} == want:
                         outage.ended()
-                        return entry_id
+                        return cast(bytes, entry_id)
             entry_id = r.xadd(stream, fields)
         except FATAL:
             raise
@@ -400,7 +400,7 @@ def append_once(r: redis.Redis, stream: str, fields: dict, *, what: str, total_s
             outage.pause(exc, sleep)
             continue
         outage.ended()
-        return entry_id
+        return cast(bytes, entry_id)
 
 
 def delete_namespace(r: redis.Redis, keys: Keys, *, batch: int = 500) -> int:

@@ -46,7 +46,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -98,7 +98,7 @@ class SchedulerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     waited: float
     metrics: dict[str, float] = {}
 
-    def fields(self) -> dict[str, object]:
+    def fields(self) -> dict[str, Any]:
         """The record as a dict of its fields (JSON-able)."""
         return {name: getattr(self, name) for name in SchedulerRecord.__struct_fields__}
 
@@ -348,7 +348,7 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, SampleKey]] = []
         self._by_version: list[tuple[int, int, SampleKey]] = []
         self._tasks: deque[tuple[int, Task]] = deque()  # stream mode: tasks not yet drawn
-        self._resubmit: deque[tuple[_Group, _Sample, str]] = deque()  # stream: awaiting credit
+        self._resubmit: deque[tuple[_Group, _Sample, str | None]] = deque()  # stream: awaiting credit
         self._complete: deque[int] = deque()  # stream mode: complete groups, in order
         self._dropped: list[DroppedGroup] = []  # stream mode: dropped since the last emission
         self._pending: int | None = None
@@ -356,7 +356,7 @@ class Scheduler:
         self._last_step = -1
         self._last_batch = -1
         self._broken: str | None = None
-        self._counts = Counter()
+        self._counts: Counter[str] = Counter()
         self._resubmitted: Counter[str] = Counter()
         self._held_credits: dict[int, list] = {}  # backfill="group": gid -> [group, credits]
         self.credits = self.target = 0

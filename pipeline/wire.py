@@ -32,15 +32,15 @@ import numpy as np
 
 from pipeline.chains import (
     NO_VERSION, VERSION_DTYPE, Chain, chains_to_arrays, merge_calls, uniform_support)
+from pipeline.config import MAX_MESSAGE_BYTES
 from pipeline.packing import Rollout
 from pipeline.ready import ReadyRecord, decode_record, record_builtins
+from pipeline.scheduler import CAUSES  # of a resubmission
 from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task
 
 SCHEMA_VERSION = 2
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 FIELD = b"m"  # the one field of a stream entry: the encoded message
 DEAD_LETTER_BYTES = 64 * 1024  # how much of an undecodable entry a dead letter keeps
-CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")  # of a resubmission
 # the dtypes a packed step's arrays may have: little-endian and numeric
 ARRAY_DTYPES = frozenset(
     {"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
@@ -194,7 +194,7 @@ def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
 # definition. So a prompt token costs 4 bytes and a bit, a completion token 8 bytes and a bit
 # (plus its support row): a single call costs about what it did as a call (2-7% more), and
 # every call that continues a chain saves its repeated prompt.
-_CHAIN_DTYPES = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tokens": np.dtype("<i8"),
+_CHAIN_DTYPES: dict[str, np.dtype] = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tokens": np.dtype("<i8"),
                  "tokens": TOKEN_DTYPE, "loss_mask": np.dtype("|u1"), "logprobs": LOGPROB_DTYPE,
                  "versions": VERSION_DTYPE, "version_runs": np.dtype("<i4")}
 
@@ -308,8 +308,7 @@ def _chains_wire(chains: Any) -> Any:
     support = arrays.get("support")
     if support is not None:
         support = np.ascontiguousarray(support[loss], TOKEN_DTYPE)
-        support = {"shape": list(support.shape), "data": support.tobytes()}
-    out["support"] = support
+    out["support"] = None if support is None else {"shape": list(support.shape), "data": support.tobytes()}
     return out
 
 
@@ -377,7 +376,7 @@ _KINDS: dict[str, type[Message]] = {}
 
 def _message(kind: str, **spec: Callable[[Any, str], Any]):
     """Register a message dataclass under `kind`, checked by `spec` (a checker per field, in order)."""
-    def register(cls: type) -> type:
+    def register(cls: Any) -> Any:
         names = [f.name for f in dataclasses.fields(cls)]
         if names != list(spec):
             raise TypeError(f"{cls.__name__}: spec {list(spec)} != fields {names}")
@@ -620,7 +619,7 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
     if cls is None:
         raise SchemaError("k", f"unknown kind {kind!r}")
     if expect is not None and not issubclass(cls, expect):
-        names = [t.KIND for t in (expect if isinstance(expect, tuple) else (expect,))]
+        names = [getattr(t, "KIND", t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,))]
         raise SchemaError("k", f"expected {' or '.join(names)}, got {kind!r}")
     for key in d:
         if key not in cls.SPEC and key not in ("v", "k"):
@@ -658,7 +657,7 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
     return data
 
 
-def decode(data: bytes, expect: type | tuple[type, ...] | None = None, *,
+def decode(data: bytes | bytearray | memoryview, expect: type | tuple[type, ...] | None = None, *,
            max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """The message in `data`; with `expect`, refuse other kinds. Raises only SchemaError."""
     if not isinstance(data, (bytes, bytearray, memoryview)):

@@ -7,10 +7,14 @@
   are deleted at teardown with SCAN MATCH + UNLINK (never FLUSHALL/FLUSHDB: the server is
   shared).
 - `procs`: starts admission and rollout consumers as subprocesses
-  (`python -m consumers.admission|rollout --config FILE`); each is stopped at teardown
+  (`python -m rollstream.cli admission|consumer --config FILE`); each is stopped at teardown
   (SIGTERM, then SIGKILL by pid).
 - `threads`: runs `Admission` / `RolloutConsumer` in threads of the test process; stopped
   and joined at teardown, which fails the test if any of them raised.
+
+Every test that uses a Redis fixture (`redis_url`, `embedded_url` or any fixture built on
+them) is marked `redis` here, so `pytest -m "not redis"` runs without any Redis; a test that
+starts a Redis of its own is marked `redis` where it is written.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ SERVER_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379
 
 
 # ---------------------------------------------------------------------------- Redis
+
+REDIS_FIXTURES = frozenset({"redis_url", "embedded_url"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)
 
 
 def _unreachable(url: str) -> str | None:
@@ -115,20 +127,20 @@ class Procs:
         path.write_text(json.dumps(config.model_dump(mode="json")))
         return path
 
-    def _start(self, module: str, config: Path, extra: list[str]) -> Proc:
+    def _start(self, role: str, config: Path, extra: list[str]) -> Proc:
         n = len(self.started)
-        proc = Proc([sys.executable, "-m", module, "--config", str(config), *extra],
-                    self.tmp / f"{module.split('.')[-1]}-{n}.log")
+        proc = Proc([sys.executable, "-m", "rollstream.cli", "--log-level", "INFO", role, "--config", str(config),
+                     *extra], self.tmp / f"{role}-{n}.log")
         self.started.append(proc)
         return proc
 
     def admission(self, *, snapshot_every: int | None = None, **overrides: Any) -> Proc:
         extra = [] if snapshot_every is None else ["--snapshot-every", str(snapshot_every)]
-        return self._start("consumers.admission", self._config(AdmissionConfig, "admission", overrides), extra)
+        return self._start("admission", self._config(AdmissionConfig, "admission", overrides), extra)
 
     def consumer(self, *, name: str | None = None, **overrides: Any) -> Proc:
         extra = [] if name is None else ["--name", name]
-        return self._start("consumers.rollout", self._config(ConsumerConfig, "consumer", overrides), extra)
+        return self._start("consumer", self._config(ConsumerConfig, "consumer", overrides), extra)
 
     def stop_all(self) -> None:
         for proc in self.started:

@@ -44,7 +44,7 @@ class Position:
     step: int  # steps trained; the next step reads batch `step` of the task stream
     updates: int  # the trainer's version counter (`RolloutScheduler.updates`)
     epoch: int  # the scheduler epoch the checkpoint was taken in
-    # this rank's task stream beside the data position (`trainer.tasks.Resume.to_data`);
+    # this rank's task stream beside the data position (`trainer.task_stream.Resume.to_data`);
     # None: a checkpoint from before it was kept
     data: dict[str, Any] | None = field(default=None, compare=False)
 

@@ -1,6 +1,6 @@
 """The training loop: GRPO on complete rollout groups served by a `RolloutScheduler`.
 
-    rollstream demo --steps 60 --out runs/demo      # all of it on one machine (trainer/demo.py)
+    rollstream demo --steps 60 --out runs/demo      # all of it on one machine (rollstream/demo.py)
 
     engine = build_engine(load(RunConfig, "trainer.yaml").trainer)
     objective = GRPOObjective(temperature=1.0)      # the engines' sampling temperature

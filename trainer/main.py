@@ -1,10 +1,10 @@
 """`rollstream trainer --config FILE`: one trainer process (one DeepSpeed rank) of a run.
 
     rollstream trainer --config trainer.yaml                          # one rank
-    torchrun --nproc_per_node 2 -m pipeline.cli trainer --config trainer.yaml
-    deepspeed --num_gpus 8 --module pipeline.cli trainer --config trainer.yaml
+    torchrun --nproc_per_node 2 -m rollstream.cli trainer --config trainer.yaml
+    deepspeed --num_gpus 8 --module rollstream.cli trainer --config trainer.yaml
 
-The file is a `trainer.config.RunConfig` (redis, metrics_addr, trainer, scheduler,
+The file is a `trainer.run_config.RunConfig` (redis, metrics_addr, trainer, scheduler,
 objective, data, publisher, checkpoint, steps, share, step_timeout_s, max_message_bytes,
 record). The run's
 admission consumers (one per shard: `rollstream admission --shard N`, with the same
@@ -15,7 +15,7 @@ same `data.env`) run as their own processes.
 Each process: reaches Redis and checks its credentials, and checks the engines its
 publisher pushes to (`preflight`; a wrong URL, password or engine fails at once, before
 DeepSpeed); builds its DeepSpeed engine (torch.distributed from the launcher's
-environment; `trainer.engine`); joins the `Pool` when the world has more than one rank
+environment; `trainer.deepspeed_engine`); joins the `Pool` when the world has more than one rank
 (`shard = rank // share`; alone, the shard is `ROLLSTREAM_SHARD`, default 0); resumes from
 the newest checkpoint under `checkpoint.dir` when there is one (`trainer.checkpoint`: the
 model and optimizer, the data position, the version counter, and the task stream's
@@ -58,8 +58,8 @@ from pipeline.keys import Keys
 from pipeline.metrics import Metrics, serving
 from pipeline.redis_io import check, connect
 from trainer import checkpoint
-from trainer.config import DataConfig, RunConfig
-from trainer.model import context_size, vocab_size
+from trainer.run_config import DataConfig, RunConfig
+from domain.model import context_size, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def batches(data: DataConfig, shard: int, shards: int, start: int = 0) -> Iterat
 def data_env(data: DataConfig) -> Any:
     """The environment `data.env` names, built with `data.env_args` (a prompt set reads its
     file here); what it refuses is a `ConfigError` naming `data.env_args`."""
-    from consumers.sources.envs import ENVS
+    from domain.envs import ENVS
 
     try:
         return ENVS[data.env](**data.env_args)
@@ -95,7 +95,7 @@ def _publisher(config: RunConfig, r: Any, keys: Keys) -> Any:
     assert p.path is not None
     if p.kind == "directory":
         return DirectoryPublisher(p.path, keep=p.keep)
-    from producers.engines import SGLangPublisher, VLLMPublisher
+    from producers.engine_publishers import SGLangPublisher, VLLMPublisher
 
     options: dict[str, Any] = {"keep": p.keep, "gateways": p.gateways, "timeout_s": p.timeout_s,
                                "retries": p.retries, "base": config.trainer.model.path}
@@ -109,12 +109,12 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
         metrics: Metrics | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Train as the module docstring says; returns the steps trained in all (the data
     position at exit)."""
-    from trainer.engine import build_engine
+    from trainer.deepspeed_engine import build_engine
     from trainer.loop import StepRecord, TimedPublisher, train
     from trainer.objective import GRPOObjective
     from trainer.pool import Pool
     from trainer.rollout_scheduler import RolloutScheduler
-    from trainer.tasks import Resume
+    from trainer.task_stream import Resume
 
     stop = stop if stop is not None else threading.Event()
     env = data_env(config.data)  # before the engine: a bad data section fails at once

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model import TinyTransformer, block_causal_mask
+from domain.model import TinyTransformer, block_causal_mask
 
 if TYPE_CHECKING:
     from pipeline.packing import PackedBatch

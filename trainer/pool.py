@@ -1,6 +1,6 @@
 """`Pool`: how the processes of a multi-process trainer meet in a `RolloutScheduler` call.
 
-    init_distributed("gloo")                  # build_engine does it (trainer.engine)
+    init_distributed("gloo")                  # build_engine does it (trainer.deepspeed_engine)
     pool = Pool(share=1)                      # every process of torch.distributed's world
     scheduler = RolloutScheduler(..., redis=url, shard=pool.shard, pool=pool)
 
@@ -63,7 +63,7 @@ class Pool:
 
     def __init__(self, share: int = 1, *, timeout_s: float = 7200.0) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("Pool needs torch.distributed initialised (trainer.engine.init_distributed)")
+            raise RuntimeError("Pool needs torch.distributed initialised (trainer.deepspeed_engine.init_distributed)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if share < 1 or self.world % share:
             raise ValueError(f"share={share} must be >= 1 and divide the world size {self.world}")

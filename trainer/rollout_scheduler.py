@@ -19,7 +19,7 @@ checkpoint: the next call pushes the trainer's weights under a version past any 
 
 Each call pushes the weights through `weights.load(variables, version)` when the served
 version has fallen `sync_every` updates behind (under ZeRO-3 every process of a pool first
-takes part in gathering the parameters whole: `trainer.engine.whole_weights`), announces the
+takes part in gathering the parameters whole: `trainer.deepspeed_engine.whole_weights`), announces the
 version on the weights stream (with the location, digest and size `load` returns, if it
 returns them; see `producers.publishers`), hands the step over, waits on the ready stream,
 logs a `SchedulerRecord` (with `waited`, the seconds this call waited) and returns the
@@ -50,11 +50,12 @@ from pipeline.ready import ReadyRecord, expand
 from pipeline.redis_io import check, connect, embedded
 from pipeline.scheduler import SchedulerRecord
 from pipeline.sessions import Task
-from producers.tasks import TaskWriter
-from trainer.engine import whole_weights
+from producers.trainer_link import TaskWriter
+from trainer.deepspeed_engine import whole_weights
 from trainer.objective import Rows
 from trainer.pool import Pool
-from trainer.tasks import Batch, Resume, TaskStream, task_ids
+from domain.batches import Batch, task_ids
+from trainer.task_stream import Resume, TaskStream
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class RolloutScheduler:
         self._stack.callback(self.r.close)
         check(self.r, redis_config)  # an unreachable Redis or refused credentials: one clear error now
         self.keys = Keys(redis_config.namespace)
-        limit = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
+        limit: dict[str, Any] = {} if self.max_message_bytes is None else {"max_message_bytes": self.max_message_bytes}
         self.writer = TaskWriter(self.r, self.keys, self.shard, reconnect_s=redis_config.reconnect_s,
                                  stop=self.stop, **limit)
         # the trainer's scheduler config is the run's: an admission already running under

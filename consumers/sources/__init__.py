@@ -8,7 +8,7 @@ thread) or `async arun(request) -> Session` (see `pipeline.sessions`).
 - `consumers.sources.scripted:ScriptedSource`: outcomes scripted per task, sample and
   attempt (tests).
 - `consumers.sources.policy:PolicySource`: an in-process policy (the tiny model or a Hugging
-  Face causal LM on CPU) against an environment of `consumers.sources.envs`.
+  Face causal LM on CPU) against an environment of `domain.envs`.
 - `consumers.sources.prompts:PromptSetSource`: a single-turn prompt set with a verifier.
 - `consumers.sources.harness:HarnessSource`: an agent harness behind the recording gateway
   (docs/harness.md).

@@ -5,7 +5,7 @@ engine (vLLM, SGLang, `rollstream engine`) through the recording gateway, no age
                                env_args={"prompts": "train.jsonl", "tokenizer": "/models/qwen"},
                                temperature=1.0, max_new_tokens=64)
 
-Each session runs one episode of an environment of `consumers.sources.envs` (`env` names
+Each session runs one episode of an environment of `domain.envs` (`env` names
 one of `ENVS` with `env_args`, or is an environment object), as `PolicySource` does, but
 every call is a `POST /v1/completions` on the session's gateway URL with the prompt as token
 ids (`{"prompt": [ids], "max_tokens", "temperature", "logprobs": 0, "stop_token_ids":
@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from consumers.gateway import context_exceeded
-from consumers.sources import envs as envs_module
+from domain import envs as envs_module
 from consumers.sources.harness import GatewayClient, recorded_calls
 from pipeline.sessions import Session, SessionRequest, Status
 

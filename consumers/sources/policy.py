@@ -55,11 +55,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from consumers.sources import envs as envs_module
 from consumers.sources.sleep import wait_cancelled
+from domain import envs as envs_module
 from consumers.weights import WeightsLoader, WeightsMissing, weights_loader
 from pipeline.sessions import Call, Session, SessionRequest, Status
-from trainer.model import TinyConfig, TinyTransformer, vocab_size
+from domain.model import TinyConfig, TinyTransformer, vocab_size
 
 log = logging.getLogger(__name__)
 

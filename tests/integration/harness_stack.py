@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from openai import OpenAI
 
-from consumers.engine import Engine
+from consumers.cpu_engine import Engine
 from consumers.gateway import Gateway
 from consumers.http import ServerThread
-from consumers.sources.envs import VOCAB
+from domain.envs import VOCAB
 from consumers.sources.harness import HarnessContext
 
 TURNS = 3

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pipeline import wire
 from pipeline.keys import Keys
 from pipeline.sessions import Task
-from producers.tasks import TaskWriter
+from producers.trainer_link import TaskWriter
 
 
 def tasks_of(batch: int, n: int) -> list[Task]:

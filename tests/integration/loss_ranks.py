@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import build
-from trainer.config import TrainerConfig
-from trainer.engine import build_engine, whole_weights
+from trainer.run_config import TrainerConfig
+from trainer.deepspeed_engine import build_engine, whole_weights
 from trainer.loop import update
 from trainer.objective import GRPOObjective, Rows
 

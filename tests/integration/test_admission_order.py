@@ -24,6 +24,17 @@ def _result(group: int, sample: int) -> dict:
     return wire.to_fields(wire.Result.from_session(0, 0, group, sample, 0, session, "test"))
 
 
+def _past(r, entry_id: bytes) -> None:
+    """Wait until the server's clock is past the millisecond of `entry_id`."""
+    ms = int(entry_id.split(b"-")[0])
+    deadline = time.monotonic() + 5
+    while True:
+        seconds, micros = r.time()
+        if seconds * 1000 + micros // 1000 > ms:
+            return
+        assert time.monotonic() < deadline, "the server's clock did not advance"
+
+
 def _journal(r, keys) -> list[str]:
     return [type(event).__name__.lower() for event, _ in journal.events(r, keys, 0)]
 
@@ -43,12 +54,12 @@ def test_a_handover_behind_a_backlog_of_results_is_applied_after_them(r, keys, r
     # eight results, then (later ids) the weights and the trainer's next batch
     for group in range(2):
         for sample in range(4):
-            r.xadd(keys.results(0), _result(group, sample))
+            last = r.xadd(keys.results(0), _result(group, sample))
     # ids of different streams are ordered by their milliseconds only (each stream counts
-    # its own sequence within one), so the appends of different streams are 2 ms apart
-    time.sleep(0.002)
-    r.xadd(keys.weights, wire.to_fields(wire.Weights(1, "mem://1", "", 0)))
-    time.sleep(0.002)
+    # its own sequence within one), so each append waits for the server's next millisecond
+    _past(r, last)
+    last = r.xadd(keys.weights, wire.to_fields(wire.Weights(1, "mem://1", "", 0)))
+    _past(r, last)
     r.xadd(tasks, wire.to_fields(wire.Registration(0, 0, 1, (Task("c"), Task("d")))))
     while adm.poll_once(1):
         pass

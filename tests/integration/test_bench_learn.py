@@ -11,7 +11,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_bench_learn_reports_every_policy_in_the_documented_json(tmp_path, capsys):
-    from trainer.bench_learn import main
+    from rollstream.bench_learn import main
 
     png = tmp_path / "learn.png"
     assert main(["--steps", "3", "--seeds", "1", "--json", "--delay-median-s", "0.005",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline import bench_admission, bench_schedule
+from rollstream import bench_admission, bench_schedule
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,6 +24,7 @@ def test_capped_lognormal_mean_matches_monte_carlo():
     assert bench_schedule.capped_lognormal_mean(0.02, 0.0, 20.0) == 0.02
 
 
+@pytest.mark.redis
 def test_bench_schedule_reports_every_policy():
     w = bench_schedule.workload_for(True, steps=2, slots=8, procs=1, batch_size=4, groups=2,
                                     median_ms=5.0, train_ms=1.0)

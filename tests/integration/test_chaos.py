@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from trainer import chaos
+from rollstream import chaos
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
 
 
 @pytest.mark.parametrize("admission", ["batch", "stream"])

@@ -1,4 +1,4 @@
-"""`rollstream chart-run` (pipeline/chart_run.py): the Helm chart's workloads run as local
+"""`rollstream chart-run` (rollstream/chart_run.py): the Helm chart's workloads run as local
 processes from their own rendered commands, environments, mounts, ports and probes, for the
 chart's default values and for the production values docs/operations.md documents; and a
 broken value fails naming the workload and the field.
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import chart_run
-from pipeline.chart_run import ChartRunError
+from rollstream import chart_run
+from rollstream.chart_run import ChartRunError
 from pipeline.keys import Keys
 from pipeline.processes import ROOT
 
@@ -331,7 +331,7 @@ def test_a_process_that_fails_names_its_workload(tmp_path):
 
 
 def test_the_command_exits_non_zero_naming_the_workload_and_field(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "chart-run", "--out", str(tmp_path),
+    done = subprocess.run([sys.executable, "-m", "rollstream.cli", "chart-run", "--out", str(tmp_path),
                            "--set", "trainer.config.checkpoint.dir=/checkpoints"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1, done.stdout + done.stderr
@@ -339,7 +339,7 @@ def test_the_command_exits_non_zero_naming_the_workload_and_field(tmp_path):
     assert line.startswith("rollstream chart-run: StatefulSet/rs-rollstream-trainer container trainer: "
                            "/etc/rollstream/trainer.json checkpoint.dir: /checkpoints is under no volume mount"), line
     assert line.endswith(f"; the pods' files and logs are under {tmp_path}"), line
-    unreadable = subprocess.run([sys.executable, "-m", "pipeline.cli", "chart-run", "--values", str(tmp_path / "no.yaml")],
+    unreadable = subprocess.run([sys.executable, "-m", "rollstream.cli", "chart-run", "--values", str(tmp_path / "no.yaml")],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert unreadable.returncode == 2 and unreadable.stderr.startswith(f"rollstream chart-run: --values {tmp_path}/no.yaml: ")
 

@@ -11,19 +11,19 @@ from collections import Counter
 import pytest
 import torch
 
-from consumers.engine import RedisFollower
-from consumers.sources.envs import VOCAB, GuessEnv
+from consumers.cpu_engine import RedisFollower
+from domain.envs import VOCAB, GuessEnv
 from consumers.sources.harness import HarnessSource
 from pipeline.chains import merge_calls
 from pipeline.sessions import Status
 from producers.publishers import RedisPublisher
 from tests.integration.harness_stack import Capture, GuessHarness, Stack, eos_biased, verify
-from trainer.config import TrainerConfig
-from trainer.model import TinyConfig, TinyTransformer
+from trainer.run_config import TrainerConfig
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective, next_token_log_probs
 from trainer.rollout_scheduler import RolloutScheduler
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
 TINY = {"vocab": VOCAB.size, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_positions": 32}
 
@@ -53,7 +53,7 @@ def rescore(state, call):
 
 
 def test_a_multi_turn_openai_harness_trains_through_the_gateway_and_the_local_engine():
-    from trainer.engine import build_engine
+    from trainer.deepspeed_engine import build_engine
     from trainer.loop import train
 
     from pipeline.config import build

@@ -13,15 +13,15 @@ import openai
 import pytest
 import torch
 
-from consumers.engine import DirectoryFollower, Engine, RedisFollower
+from consumers.cpu_engine import DirectoryFollower, Engine, RedisFollower
 from consumers.http import ServerThread
-from consumers.sources.envs import VOCAB
+from domain.envs import VOCAB
 from consumers.sources.harness import HarnessSource
 from pipeline.sessions import SessionRequest, Status, Task
 from producers.publishers import DirectoryPublisher, RedisPublisher
-from producers.tasks import TaskWriter
+from producers.trainer_link import TaskWriter
 from tests.integration.harness_stack import GuessHarness, Stack, verify
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -196,7 +196,7 @@ def test_rollstream_engine_and_gateway_run_as_processes(tmp_path):
 
     def start(*args):
         log = open(tmp_path / f"{args[0]}.log", "wb")  # noqa: SIM115 (closed below)
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "rollstream.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT), log
 
     def wait_up(url, proc, log):

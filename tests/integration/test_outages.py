@@ -20,7 +20,8 @@ from tests.conftest import Threads
 from tests.integration.helpers import Trainer, admitted_tasks
 from tests.integration.servers import RedisServer, server_missing
 
-pytestmark = pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))
+pytestmark = [pytest.mark.redis,
+              pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))]
 
 SCHEDULER = {"groups": 2, "rows": 8, "width": 64}
 STEPS = 6
@@ -180,7 +181,7 @@ def test_a_process_started_while_redis_restarts_waits_for_it(tmp_path):
     server = RedisServer(tmp_path / "redis")
     log = tmp_path / "status.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "status",
+        proc = subprocess.Popen([sys.executable, "-m", "rollstream.cli", "--log-level", "INFO", "status",
                                  "--url", server.url, "--namespace", "late"],
                                 stdout=out, stderr=subprocess.STDOUT)
         try:

@@ -8,7 +8,7 @@ import pytest
 from pipeline import wire
 from pipeline.ready import expand
 from pipeline.sessions import Task
-from producers.tasks import StepFailed
+from producers.trainer_link import StepFailed
 from tests.integration.helpers import Trainer, admitted_tasks, resubmitted
 
 STEPS = 6

@@ -12,7 +12,7 @@ import pytest
 from consumers.sources.scripted import ScriptedSource
 from pipeline import wire
 from pipeline.sessions import Status
-from producers.tasks import StepFailed
+from producers.trainer_link import StepFailed
 from tests.integration.helpers import Trainer, resubmitted
 
 SCHEDULER = {"groups": 2, "rows": 8, "width": 64}

@@ -169,7 +169,7 @@ def _decodable(r, keys) -> list[wire.Result]:
 
 @pytest.mark.timeout(30)
 def test_the_producer_refuses_an_oversized_message_and_writes_nothing(r, keys):
-    from producers.tasks import TaskWriter
+    from producers.trainer_link import TaskWriter
 
     writer = TaskWriter(r, keys, 0, max_message_bytes=LIMIT)
     writer.open(0)

@@ -35,7 +35,7 @@ def test_cli_processes_serve_a_trainer_connected_by_url(tmp_path, redis_config, 
     con = _config_file(tmp_path, "consumer", ConsumerConfig,
                        {"redis": redis, "slots": 4, "block_ms": 50, "lease_s": 5.0,
                         "source_args": {"median_s": 0.01, "seed": 1}})
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    cli = [sys.executable, "-m", "rollstream.cli"]
     procs = [
         Proc([*cli, "admission", "--config", str(adm), "--shard", "0"], tmp_path / "adm.log"),
         Proc([*cli, "consumer", "--config", str(con), "--slots", "3",
@@ -46,7 +46,7 @@ def test_cli_processes_serve_a_trainer_connected_by_url(tmp_path, redis_config, 
         with RolloutScheduler(None, None, pub, redis=redis_config.url,
                               namespace=redis_config.namespace, log=records.append,
                               step_timeout_s=60, **scheduler) as sched:
-            for i, batch in enumerate(sched.tasks([{"task_id": [3 * i, 3 * i + 1]} for i in range(3)])):
+            for batch in sched.tasks([{"task_id": [3 * i, 3 * i + 1]} for i in range(3)]):
                 rows = sched(batch, None)
                 assert tuple(rows.tokens.shape) == (4, 64)
         assert [r.groups for r in records] == [2, 2, 2]

@@ -1,6 +1,6 @@
 """A real Prometheus server scrapes a running pipeline of real processes (`rollstream
 admission`, `rollstream consumer` and a `rollstream trainer` DeepSpeed rank, started by
-`trainer.local.LocalRun`): every metric is present and exported by the process that owns
+`rollstream.local.LocalRun`): every metric is present and exported by the process that owns
 it, the trainer's series agree with its own step records, and every dashboard panel
 returns data."""
 
@@ -13,9 +13,9 @@ import pytest
 from pipeline import wire
 from pipeline.config import build
 from pipeline.metrics import Metrics, families
-from pipeline.prometheus import Prometheus, panels, promql
-from trainer.config import RunConfig
-from trainer.local import LocalRun, free_port
+from rollstream.prometheus import Prometheus, panels, promql
+from trainer.run_config import RunConfig
+from rollstream.local import LocalRun, free_port
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not Prometheus.available(),
@@ -37,6 +37,12 @@ OWNER = {
     "rollstream_build": "admission consumer trainer",
 }
 STEPS = 12  # trainer steps seen before the checks
+
+
+def _scraped_since(prom: Prometheus, t: float, targets: int) -> bool:
+    """Prometheus has scraped each of the `targets` at or after time `t` (seconds)."""
+    scrapes = prom.query('timestamp(up{job="rollstream"})')
+    return len(scrapes) == targets and all(float(s["value"][1]) >= t for s in scrapes)
 
 
 def _records(path) -> list[dict]:
@@ -82,7 +88,10 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
                 assert run.trainers[0].alive and time.monotonic() < deadline, run.logs()
                 time.sleep(0.1)
             prom.wait_scraped()
-            time.sleep(3)  # a few scrapes of every process past the checked steps
+            done = time.time()
+            while not _scraped_since(prom, done + 2, len(role)):  # a few scrapes past the checked steps
+                assert time.monotonic() < deadline + 30, "Prometheus stopped scraping"
+                time.sleep(0.1)
 
             missing, owners = [], {}
             for name, kind in families(Metrics()).items():

@@ -45,9 +45,9 @@ from pipeline.config import AdmissionConfig, ConsumerConfig, build, load
 from pipeline.processes import Process, free_port
 from pipeline.ready import expand
 from tests.conftest import ROOT
-from trainer.config import RunConfig, TrainerConfig
+from trainer.run_config import RunConfig, TrainerConfig
 from trainer.main import batches
-from trainer.model import TinyTransformer
+from domain.model import TinyTransformer
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 SERVER = pytest.mark.parametrize("redis_url", ["server"], indirect=True)
@@ -390,7 +390,7 @@ def test_hf_prompts_recipe(tmp_path, redis_url, namespace, r, keys):
 def test_chart_run_recipe(tmp_path):
     """docs/operations.md: the chart's workloads with its default values as local processes
     (their own Redis, not the test's; tests/integration/test_chart_run.py checks what ran)."""
-    from pipeline.chart_run import ChartRunError, redis_programs
+    from rollstream.chart_run import ChartRunError, redis_programs
 
     try:
         redis_programs(7)

@@ -9,7 +9,7 @@ import redis
 from consumers.sources.scripted import ScriptedSource
 from pipeline.errors import ConfigError
 from consumers.sources.sleep import SleepSource
-from producers.tasks import StepFailed
+from producers.trainer_link import StepFailed
 from trainer.rollout_scheduler import RolloutScheduler, VocabError
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,6 +27,7 @@ def batches(n, size=4):
     return [{"task_id": list(range(i * size, (i + 1) * size))} for i in range(n)]
 
 
+@pytest.mark.redis
 def test_each_call_returns_the_packed_rows_of_its_batch_and_logs_a_record():
     records, pub = [], Publisher()
     with RolloutScheduler(None, SleepSource(median_s=0.005, seed=0), pub, width=128, rows=4,
@@ -43,6 +44,7 @@ def test_each_call_returns_the_packed_rows_of_its_batch_and_logs_a_record():
     assert pub.loads == [("weights-1", 1), ("weights-2", 2), ("weights-3", 3)]
 
 
+@pytest.mark.redis
 def test_a_source_that_raises_fails_the_call_with_its_traceback():
     source = ScriptedSource(rules=[{"task": "2", "sample": 0, "raise": "environment exploded"}])
     with RolloutScheduler(None, source, Publisher(), width=64, rows=4, groups=2, ahead=0,
@@ -67,6 +69,7 @@ class LosesRedisOnce(SleepSource):
         return super().run(request)
 
 
+@pytest.mark.redis
 def test_a_source_that_loses_redis_fails_the_attempt_not_the_step():
     records = []
     source = LosesRedisOnce(median_s=0.002, seed=0)
@@ -92,11 +95,12 @@ def test_construction_refuses_a_staleness_bound_below_ahead_plus_sync_every():
         RolloutScheduler(None, SleepSource(), Publisher(), width=64, rows=2, ahead=2, max_lag=1)
 
 
+@pytest.mark.redis
 def test_status_shows_a_live_pipeline(capsys):
     import json
     import time
 
-    from pipeline import cli, status
+    from rollstream import cli, status
 
     with RolloutScheduler(None, SleepSource(median_s=5.0, sigma=0.0, seed=0), Publisher(),
                           width=64, rows=4, groups=2, ahead=1, max_lag=1, admission="stream",
@@ -122,12 +126,13 @@ def test_status_shows_a_live_pipeline(capsys):
 
 
 def test_status_never_shows_credentials():
-    from pipeline.status import redact
+    from rollstream.status import redact
 
     assert redact("rediss://user:s3cret@redis.example:6380/0") == "rediss://redis.example:6380/0"
     assert "s3cret" not in redact("redis://:s3cret@host/1")
 
 
+@pytest.mark.redis
 def test_a_dead_in_process_consumer_fails_the_call_at_once():
     import time
 
@@ -147,6 +152,7 @@ def test_a_dead_in_process_consumer_fails_the_call_at_once():
         assert time.monotonic() - start < 30
 
 
+@pytest.mark.redis
 def test_max_message_bytes_refuses_an_oversized_registration_and_writes_nothing():
     from pipeline.sessions import Task
     from pipeline.wire import SchemaError
@@ -161,6 +167,7 @@ def test_max_message_bytes_refuses_an_oversized_registration_and_writes_nothing(
         assert sched.r.xlen(sched.keys.tasks(0)) == 1  # the epoch's Open, not the registration
 
 
+@pytest.mark.redis
 def test_rows_beyond_the_models_context_are_refused_naming_the_setting():
     # chains of 32 tokens for a model of 16 positions (ids beyond the vocabulary:
     # tests/integration/test_start_errors.py, through `rollstream trainer`)

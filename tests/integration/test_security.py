@@ -22,7 +22,8 @@ from tests.conftest import Threads
 from tests.integration.helpers import Trainer, admitted_tasks
 from tests.integration.servers import RedisServer, server_missing
 
-pytestmark = pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))
+pytestmark = [pytest.mark.redis,
+              pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))]
 
 SCHEDULER = {"groups": 2, "rows": 8, "width": 64}
 ADMIN_PASSWORD = "admin-secret"

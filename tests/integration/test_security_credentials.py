@@ -23,7 +23,7 @@ import redis
 
 from consumers.admission import Admission
 from consumers.sources.scripted import ScriptedSource
-from pipeline import cli
+from rollstream import cli
 from pipeline.config import AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, build, metrics_address
 from pipeline.keys import Keys
 from pipeline.metrics import Metrics, serve
@@ -32,7 +32,7 @@ from tests.conftest import ROOT, Proc, Threads
 from tests.integration.helpers import Trainer, admitted_tasks
 from tests.integration.servers import RedisServer, free_port, server_missing
 from tests.integration.test_security import ADMIN_PASSWORD, run_short_pipeline, tls_server
-from trainer.config import RunConfig
+from trainer.run_config import RunConfig
 
 pytestmark = pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))
 
@@ -69,6 +69,7 @@ def _status(capsys, config_file: Path, *extra: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.redis
 def test_the_password_never_shows_in_logs_status_errors_or_metrics(server, tmp_path, monkeypatch, caplog, capsys):
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("RS_TEST_SECRET", SECRET)
@@ -99,7 +100,7 @@ def test_the_password_never_shows_in_logs_status_errors_or_metrics(server, tmp_p
         "redis": config.model_dump(mode="json"), "scheduler": SCHEDULER, "metrics_addr": "127.0.0.1:0"}
     ).model_dump(mode="json")))
     assert not _shown(config_file.read_text())
-    proc = Proc([sys.executable, "-m", "consumers.admission", "--config", str(config_file)], tmp_path / "admission.log")
+    proc = Proc([sys.executable, "-m", "rollstream.cli", "--log-level", "INFO", "admission", "--config", str(config_file)], tmp_path / "admission.log")
     try:
         deadline = time.monotonic() + 30
         while "running" not in proc.output() and time.monotonic() < deadline:
@@ -140,6 +141,7 @@ def test_the_password_never_shows_in_logs_status_errors_or_metrics(server, tmp_p
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.redis
 def test_the_acl_user_may_run_the_pipeline_and_nothing_else(server, tmp_path):
     secret = tmp_path / "password"
     secret.write_text(SECRET + "\n")
@@ -159,6 +161,7 @@ def test_the_acl_user_may_run_the_pipeline_and_nothing_else(server, tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.redis
 def test_tls_and_the_acl_user_together(tmp_path):
     with tls_server(tmp_path) as (s, certs):
         _acl_setup(s.admin(password=None, ssl=True, ssl_ca_certs=str(certs["ca.crt"])))

@@ -30,11 +30,11 @@ from pipeline.keys import Keys
 from pipeline.processes import Process, free_port
 from pipeline.redis_io import connect
 from producers.publishers import RedisPublisher
-from producers.tasks import TaskWriter
+from producers.trainer_link import TaskWriter
 from tests.conftest import ROOT
 from tests.integration.servers import RedisServer, server_missing
-from trainer.config import TinyModelConfig
-from trainer.model import TinyTransformer
+from domain.model_config import TinyModelConfig
+from domain.model import TinyTransformer
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180),
               pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))]

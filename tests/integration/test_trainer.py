@@ -9,16 +9,16 @@ import math
 import pytest
 import torch
 
-from consumers.sources.envs import VOCAB, ArithmeticEnv
+from domain.envs import VOCAB, ArithmeticEnv
 from consumers.sources.policy import PolicySource
 from consumers.weights import RedisWeights, WeightsLoader
 from pipeline.config import ConfigError, build
 from pipeline.redis_io import connect
 from producers.publishers import RedisPublisher
-from trainer.config import TrainerConfig
-from trainer.engine import build_engine, deepspeed_config, whole_weights
+from trainer.run_config import TrainerConfig
+from trainer.deepspeed_engine import build_engine, deepspeed_config, whole_weights
 from trainer.loop import TimedPublisher, train
-from trainer.model import TinyTransformer
+from domain.model import TinyTransformer
 from trainer.objective import GRPOObjective
 from trainer.rollout_scheduler import RolloutScheduler
 
@@ -91,6 +91,7 @@ def test_a_local_hugging_face_model_directory_trains_and_matches_the_rollout_sid
         build(TrainerConfig, {"model": {"kind": "tiny", "path": str(tmp_path)}})
 
 
+@pytest.mark.redis
 def test_loop_trains_through_the_pipeline_and_pushes_weights_back():
     cfg = config(zero_stage=1)
     env = ArithmeticEnv()
@@ -130,8 +131,9 @@ def test_loop_trains_through_the_pipeline_and_pushes_weights_back():
             assert s.train["mismatch_kl"] < 1e-4
 
 
+@pytest.mark.redis
 def test_demo_writes_metrics_jsonl_with_the_documented_fields(tmp_path, capsys):
-    from trainer.demo import main
+    from rollstream.demo import main
 
     assert main(["--steps", "3", "--out", str(tmp_path), "--batch-size", "4", "--groups", "4",
                  "--slots", "4"]) == 0
@@ -149,8 +151,9 @@ def test_demo_writes_metrics_jsonl_with_the_documented_fields(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.redis
 def test_the_demo_learns_copy_one_digit(tmp_path):
-    from trainer.demo import main
+    from rollstream.demo import main
 
     assert main(["--out", str(tmp_path), "--quiet"]) == 0
     rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -14,9 +14,9 @@ import pytest
 
 from pipeline import wire
 from pipeline.config import build
-from pipeline.keys import Keys
-from trainer.config import RunConfig
-from trainer.local import LocalRun
+from pipeline.keys import Keys, admission_group
+from trainer.run_config import RunConfig
+from rollstream.local import LocalRun
 from trainer.main import batches
 
 pytestmark = pytest.mark.timeout(300)
@@ -111,6 +111,14 @@ def test_first_reader_batch_shares_one_batch_across_two_ranks(tmp_path, redis_co
     assert r.xlen(keys.tasks(1)) == 0
 
 
+def _admitted_everything(r, stream: str) -> bool:
+    """The admission consumer has read and committed every entry of `stream`."""
+    last = r.xinfo_stream(stream)["last-generated-id"]
+    name = admission_group(0)
+    group = next(g for g in r.xinfo_groups(stream) if g["name"] in (name, name.encode()))
+    return group["last-delivered-id"] == last and group["pending"] == 0
+
+
 @EMBEDDED
 @pytest.mark.parametrize("admission", ["batch", "stream"])
 def test_a_killed_trainer_resumes_from_its_checkpoint_without_dropping_or_repeating_a_task(
@@ -139,7 +147,9 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_without_dropping_or_repeat
     while int(r.get(keys.epoch(0)) or 0) <= killed_epoch + 1 and time.monotonic() < deadline + 120:
         assert run.trainers[0].alive, run.logs()
         time.sleep(0.05)
-    time.sleep(0.5)  # the admission consumer reads the new epoch
+    while not _admitted_everything(r, keys.tasks(0)):  # the admission consumer reads the new epoch
+        assert time.monotonic() < deadline + 150, run.logs()
+        time.sleep(0.05)
     run.consumers[0].signal(signal.SIGCONT)
     codes = finish(run)
     assert codes == [0], run.logs()

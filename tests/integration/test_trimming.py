@@ -34,7 +34,7 @@ def test_trimming_keeps_pending_and_undelivered_entries(r, keys):
 
 @pytest.mark.timeout(30)
 def test_a_stream_without_groups_is_not_trimmed(r, keys):
-    for i in range(5):
+    for _ in range(5):
         r.xadd(keys.ready(0), {b"i": b"x"})
     assert trimming.trim_acknowledged(r, keys.ready(0)) == 0
     assert trimming.trim_acknowledged(r, keys.ready(1)) == 0  # no such stream

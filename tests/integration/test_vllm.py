@@ -29,7 +29,7 @@ from consumers.vllm_server import VLLMServer, missing, venv
 from pipeline import wire
 from pipeline.processes import free_port
 from pipeline.ready import expand
-from producers.engines import VLLMPublisher
+from producers.engine_publishers import VLLMPublisher
 from tests.integration.test_recipes import SERVER, recipe, records, run_subs, watching
 from trainer.hf_dir import write_model_dir
 
@@ -180,6 +180,7 @@ class SteppedPublisher(VLLMPublisher):
         return paused
 
 
+@pytest.mark.redis
 def test_pushes_land_through_a_reset_cache_and_requests_in_flight_finish_under_their_weights(
         vllm, gateway, model_dir, tmp_path):
     base = hf(model_dir)

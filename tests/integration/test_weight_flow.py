@@ -6,17 +6,17 @@ versions."""
 import pytest
 import torch
 
-from consumers.sources.envs import VOCAB, ArithmeticEnv
+from domain.envs import VOCAB, ArithmeticEnv
 from consumers.sources.policy import PolicySource
 from consumers.weights import RedisWeights, WeightsLoader
 from pipeline import wire
 from pipeline.redis_io import connect
 from producers.publishers import RedisPublisher
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective
 from trainer.rollout_scheduler import RolloutScheduler
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
 CONFIG = TinyConfig(vocab=VOCAB.size, d_model=16, n_layers=1, n_heads=2, max_positions=64)
 

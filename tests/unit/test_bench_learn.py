@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer.bench_learn import running_mean, seconds_to, summarize
+from rollstream.bench_learn import running_mean, seconds_to, summarize
 
 
 def steps(rewards, seconds_per_step, lag=0):

@@ -1,4 +1,4 @@
-from pipeline import bench_scale
+from rollstream import bench_scale
 
 
 def test_scale_bench_reports_cost_per_event_for_each_size():

@@ -3,7 +3,7 @@ under `--max-lag`/`--inflight`, the summary over several rounds, and the plot.""
 
 import pytest
 
-from pipeline import bench_schedule
+from rollstream import bench_schedule
 from pipeline.config import SchedulerConfig, build
 
 

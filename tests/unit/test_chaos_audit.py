@@ -6,8 +6,8 @@ import json
 import msgpack
 
 from pipeline.config import build
-from trainer.chaos import KINDS, audit, lineage, passed
-from trainer.config import RunConfig
+from rollstream.chaos import KINDS, audit, lineage, passed
+from trainer.run_config import RunConfig
 
 CONFIG = build(RunConfig, {"data": {"batch_size": 2}})
 ALL_FAULTS = {kind: 1 for kind in KINDS}

@@ -1,4 +1,4 @@
-"""`CompletionsSource`: environments of `consumers.sources.envs` sampled through the recording
+"""`CompletionsSource`: environments of `domain.envs` sampled through the recording
 gateway by an OpenAI-compatible engine (`rollstream engine` here, real servers on ephemeral
 ports; vLLM: tests/integration/test_vllm.py). Multi-turn calls merge into one chain and
 carry the engine's ids, log-probs and versions; a prompt set speaks a Hugging Face model
@@ -9,16 +9,16 @@ import threading
 import pytest
 import torch
 
-from consumers.engine import Engine
-from consumers.engine import build as build_engine
+from consumers.cpu_engine import Engine
+from consumers.cpu_engine import build as build_engine
 from consumers.gateway import Gateway
 from consumers.http import ServerThread
 from consumers.sources.completions import CompletionsSource
-from consumers.sources.envs import VOCAB
+from domain.envs import VOCAB
 from pipeline.chains import merge_calls
 from pipeline.sessions import SessionRequest, Status, Task
 from tests.integration.harness_stack import eos_biased
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import next_token_log_probs
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
 """The Dockerfile, read without building it (no Docker engine here), against what the Helm
-chart runs in its image (`pipeline.chart_run.image_problems`): the image's ENTRYPOINT is the
+chart runs in its image (`rollstream.chart_run.image_problems`): the image's ENTRYPOINT is the
 `rollstream` program the chart's containers run with their arguments, its USER is the
 chart's, no path the chart mounts hides what the image installed, and every path the
 containers are given is under a mount or in the image's layout."""
@@ -10,15 +10,15 @@ import copy
 
 import pytest
 
-from pipeline import chart_run
-from pipeline.chart_run import DOCKERFILE, console_script, image_problems, read_dockerfile
+from rollstream import chart_run
+from rollstream.chart_run import DOCKERFILE, console_script, image_problems, read_dockerfile
 from tests.unit.test_helm import ONE_RANK_CLAIM, PROD, ROLES, SHARED, merged
 
 
 def test_the_image_layout():
     image = read_dockerfile()
     assert image.entrypoint == ("rollstream",) and image.cmd == ("--help",)
-    assert console_script("rollstream") == "pipeline.cli:main"  # what pip installs into the venv's bin/
+    assert console_script("rollstream") == "rollstream.cli:main"  # what pip installs into the venv's bin/
     assert image.env["PATH"].split(":")[0] == "/opt/venv/bin" and "/opt/venv" in image.dirs
     assert image.user == "10001:10001" and image.workdir == "/home/rollstream"
     assert image.env["PYTHONDONTWRITEBYTECODE"] == "1"  # the chart's root filesystem is read-only
@@ -41,9 +41,9 @@ def _dockerfile(tmp_path, old: str, new: str):
 
 def test_an_image_that_does_not_run_the_charts_command(tmp_path):
     docs, _ = chart_run.render({})
-    python = _dockerfile(tmp_path, 'ENTRYPOINT ["rollstream"]', 'ENTRYPOINT ["python", "-m", "pipeline.cli"]')
+    python = _dockerfile(tmp_path, 'ENTRYPOINT ["rollstream"]', 'ENTRYPOINT ["python", "-m", "rollstream.cli"]')
     assert image_problems(docs, python)[0] == (
-        "Dockerfile: ENTRYPOINT is ['python', '-m', 'pipeline.cli'], not the rollstream program")
+        "Dockerfile: ENTRYPOINT is ['python', '-m', 'rollstream.cli'], not the rollstream program")
     other_user = _dockerfile(tmp_path, "USER 10001:10001", "USER 1000:1000")
     assert ("StatefulSet/rs-rollstream-trainer container trainer: securityContext.runAsUser: 10001 is not the "
             "image's USER 1000:1000") in image_problems(docs, other_user)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from openai import OpenAI
 
-from consumers.engine import CharTokenizer, Engine, build
+from consumers.cpu_engine import CharTokenizer, Engine, build
 from consumers.http import ServerThread
-from consumers.sources.envs import VOCAB
+from domain.envs import VOCAB
 from producers.publishers import DirectoryPublisher
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import next_token_log_probs
 
 pytestmark = pytest.mark.timeout(60)

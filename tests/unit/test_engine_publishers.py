@@ -1,4 +1,4 @@
-"""Publishers for external engines (`producers.engines`): the weights are written to the
+"""Publishers for external engines (`producers.engine_publishers`): the weights are written to the
 shared path, then SGLang's `/update_weights_from_disk` or vLLM's pause, reload, cache reset,
 version and resume are called on every engine; tested against `rollstream engine` itself
 (which serves both) and a minimal aiohttp server that records what it is sent. The real
@@ -12,12 +12,12 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
-from consumers.engine import Engine
+from consumers.cpu_engine import Engine
 from consumers.gateway import Gateway
 from consumers.http import ServerThread
-from consumers.sources.envs import VOCAB
-from producers.engines import EnginePushError, SGLangPublisher, VLLMPublisher, write_hf_dir
-from trainer.model import TinyConfig, TinyTransformer
+from domain.envs import VOCAB
+from producers.engine_publishers import EnginePushError, SGLangPublisher, VLLMPublisher, write_hf_dir
+from domain.model import TinyConfig, TinyTransformer
 
 pytestmark = pytest.mark.timeout(60)
 

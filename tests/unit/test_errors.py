@@ -16,7 +16,7 @@ from pipeline.config import (
 )
 from pipeline.errors import CommandError, guarded
 from pipeline.redis_io import Interrupted, Outage, RedisUnavailable, ride_out
-from trainer.config import RunConfig
+from trainer.run_config import RunConfig
 
 
 def refused(model, data) -> str:

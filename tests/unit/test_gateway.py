@@ -12,13 +12,13 @@ import pytest
 from aiohttp import web
 from openai import OpenAI
 
-from consumers.engine import Engine
+from consumers.cpu_engine import Engine
 from consumers.gateway import RECORD_KEYS, Gateway
 from consumers.http import ServerThread
-from consumers.sources.envs import VOCAB
+from domain.envs import VOCAB
 from pipeline.chains import merge_calls
 from pipeline.sessions import Call
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +105,7 @@ def test_streamed_calls_are_recorded_whole_and_passed_through(fleet, chat):
 def test_a_multi_turn_conversation_records_calls_that_merge_into_one_chain(fleet):
     client, messages = fleet.client("mt"), list(GUESS)
     fleet.engines[0].model = eos_biased()  # <eos> is likely: replies end both ways
-    for turn in range(6):
+    for _turn in range(6):
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
         messages += [{"role": "assistant", "content": answer.choices[0].message.content},
                      {"role": "user", "content": "<higher>"}]
@@ -240,7 +240,7 @@ def test_log_probs_are_never_positive_and_match_the_call_schema(fleet):
 
 
 def test_the_cli_parses_engine_and_gateway_options():
-    from pipeline.cli import parser
+    from rollstream.cli import parser
 
     args = parser().parse_args(["gateway", "--engine", "http://a:1", "--engine", "http://b:2", "--port", "9",
                                 "--temperature", "0.7"])
@@ -252,8 +252,8 @@ def test_the_cli_parses_engine_and_gateway_options():
 
 
 def test_the_engine_follows_the_run_a_process_config_names(tmp_path):
-    from consumers.engine import _weights_redis
-    from pipeline.cli import parser
+    from consumers.cpu_engine import _weights_redis
+    from rollstream.cli import parser
     from pipeline.config import ConfigError
 
     config = tmp_path / "consumer.yaml"

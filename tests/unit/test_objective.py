@@ -12,7 +12,7 @@ import torch
 from pipeline.chains import Chain
 from pipeline.packing import Group, PackedBatch, Rollout, pack
 from pipeline.sessions import Status
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective, Rows, attention_kind, next_token_log_probs
 
 VOCAB = 64

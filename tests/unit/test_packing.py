@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import get_args
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import bench_pack
-from pipeline.advantages import group_advantages
+from rollstream import bench_pack
+from pipeline.advantages import ESTIMATORS, TRUNCATIONS, Estimator, Truncation, group_advantages
+from pipeline.config import SchedulerConfig, build
+from pipeline.errors import ConfigError
 from pipeline.chains import Chain
 from pipeline.packing import Group, PackedBatch, Rollout, check_support, pack
 from pipeline.session_metrics import session_metrics
@@ -212,6 +215,17 @@ def test_estimators_by_hand(estimator: str, expected: list[float]) -> None:
     scores = group_advantages([OK] * 4, [1.0, 0.0, 1.0, 0.0], estimator=estimator)
     np.testing.assert_allclose(scores.advantages, expected, rtol=1e-9)
     assert scores.trained.all()
+
+
+def test_each_policy_is_one_row_the_config_accepts_and_no_other() -> None:
+    assert get_args(Estimator) == tuple(ESTIMATORS)
+    assert get_args(Truncation) == tuple(TRUNCATIONS)
+    for name in ESTIMATORS:
+        assert build(SchedulerConfig, {"estimator": name}).estimator == name
+    for name in TRUNCATIONS:
+        assert build(SchedulerConfig, {"truncation": name}).truncation == name
+    with pytest.raises(ConfigError, match="truncation"):
+        build(SchedulerConfig, {"truncation": "clip"})
 
 
 def test_single_member_baselines_give_zero() -> None:

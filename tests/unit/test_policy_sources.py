@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
-from consumers.sources.envs import VOCAB, ArithmeticEnv, GuessEnv, score
+from domain.envs import VOCAB, ArithmeticEnv, GuessEnv, score
 from consumers.sources.policy import PolicySource
 from consumers.sources.prompts import PromptSetSource
 from pipeline.sessions import SessionRequest, Status, Task
 from producers.publishers import DirectoryPublisher
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import next_token_log_probs
 
 CONFIG = TinyConfig(vocab=VOCAB.size, d_model=16, n_layers=1, n_heads=2, max_positions=128)
@@ -275,9 +275,9 @@ def test_models_built_for_concurrent_sessions_are_whole_and_equal(tmp_path):
 
         def session(i: int) -> None:
             try:
-                source.run(request(str(i), sample=i))
+                source.run(request(str(i), sample=i))  # noqa: B023 (joined within this iteration)
             except Exception as exc:  # collected and asserted below
-                errors.append(exc)
+                errors.append(exc)  # noqa: B023 (joined within this iteration)
 
         threads = [threading.Thread(target=session, args=(i,)) for i in range(8)]
         for t in threads:

@@ -14,7 +14,7 @@ from consumers.weights import (
     weights_loader,
 )
 from producers.publishers import DirectoryPublisher, Published, RedisPublisher
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 
 CONFIG = TinyConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, max_positions=32)
 

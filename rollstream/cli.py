@@ -16,7 +16,7 @@ from pipeline.errors import guarded
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pipeline.simulate import StepReport, Workload, run
+    from rollstream.simulate import StepReport, Workload, run
 
     if args.frontier:
         return _simulate_frontier(args)
@@ -49,7 +49,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _simulate_frontier(args: argparse.Namespace) -> int:
     """`rollstream simulate --frontier`: `bench schedule --frontier`'s workload and figures
     from the pure scheduler on a virtual clock."""
-    from pipeline import bench_schedule
+    from rollstream import bench_schedule
 
     workload = bench_schedule.workload_for(False, steps=args.steps, median_ms=args.median_ms,
                                            seed=args.seed, stream_config=args.stream_config)
@@ -65,38 +65,38 @@ def _simulate_frontier(args: argparse.Namespace) -> int:
 
 
 def _bench_pack(args: argparse.Namespace) -> int:
-    from pipeline import bench_pack
+    from rollstream import bench_pack
 
     return bench_pack.main(["--json"] if args.json else [])
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
-    from pipeline import bench_scale
+    from rollstream import bench_scale
 
     return bench_scale.main((["--json"] if args.json else [])
                             + ["--events", str(args.events), "--repeats", str(args.repeats)])
 
 
 def _bench_schedule(args: argparse.Namespace) -> int:
-    from pipeline import bench_schedule
+    from rollstream import bench_schedule
 
     return bench_schedule.run_from_args(args)
 
 
 def _bench_admission(args: argparse.Namespace) -> int:
-    from pipeline import bench_admission
+    from rollstream import bench_admission
 
     return bench_admission.run_from_args(args)
 
 
 def _bench_consumer(args: argparse.Namespace) -> int:
-    from pipeline import bench_consumer
+    from rollstream import bench_consumer
 
     return bench_consumer.run_from_args(args)
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    from pipeline import bench_vllm
+    from rollstream import bench_vllm
 
     return bench_vllm.run_from_args(args)
 
@@ -111,7 +111,7 @@ def _admission(args: argparse.Namespace) -> int:
     from consumers import admission
 
     config = _override(load(AdmissionConfig, args.config), AdmissionConfig, shard=args.shard)
-    return admission.main(config)
+    return admission.main(config, snapshot_every=args.snapshot_every)
 
 
 def _consumer(args: argparse.Namespace) -> int:
@@ -119,19 +119,19 @@ def _consumer(args: argparse.Namespace) -> int:
 
     config = _override(load(ConsumerConfig, args.config), ConsumerConfig,
                        source=args.source, slots=args.slots)
-    return rollout.main(config)
+    return rollout.main(config, name=args.name)
 
 
 def _trainer(args: argparse.Namespace) -> int:
     from trainer import main as trainer_main
-    from trainer.config import RunConfig
+    from trainer.run_config import RunConfig
 
     config = _override(load(RunConfig, args.config), RunConfig, steps=args.steps)
     return trainer_main.main(config)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from pipeline import status
+    from rollstream import status
     from pipeline.keys import Keys
     from pipeline.redis_io import check, connect
 
@@ -145,7 +145,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from consumers import engine
+    from consumers import cpu_engine as engine
 
     return engine.main(args)
 
@@ -157,7 +157,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _chart_run(args: argparse.Namespace) -> int:
-    from pipeline import chart_run
+    from rollstream import chart_run
 
     return chart_run.run_from_args(args)
 
@@ -171,12 +171,12 @@ def parser() -> argparse.ArgumentParser:
         "demo", add_help=False,
         help="the main job: embedded Redis, the pipeline and a one-rank DeepSpeed trainer "
              "learning a toy task (rollstream demo --help for its options)")
-    demo.set_defaults(run=None)  # main() hands `rollstream demo ...` to trainer.demo
+    demo.set_defaults(run=None)  # main() hands `rollstream demo ...` to rollstream.demo
     chaos = sub.add_parser(
         "chaos", add_help=False,
         help="a real multi-process run under faults (kills, a Redis restart, a trainer resume), "
              "then an audit of trained tasks (rollstream chaos --help)")
-    chaos.set_defaults(run=None)  # main() hands `rollstream chaos ...` to trainer.chaos
+    chaos.set_defaults(run=None)  # main() hands `rollstream chaos ...` to rollstream.chaos
 
     sim = sub.add_parser("simulate", help="the scheduling core over a simulated heavy-tailed workload")
     sim.add_argument("--steps", type=int, default=20)
@@ -195,7 +195,7 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--policies", default="sync,group,batch,stream",
                      help="--frontier: comma-separated subset")
     sim.add_argument("--plot", help="--frontier: write the frontier plot here")
-    from pipeline.bench_schedule import add_stream_config
+    from rollstream.bench_schedule import add_stream_config
 
     add_stream_config(sim)
     sim.set_defaults(run=_simulate)
@@ -203,16 +203,18 @@ def parser() -> argparse.ArgumentParser:
     adm = sub.add_parser("admission", help="run one shard's admission consumer")
     adm.add_argument("--config", required=True, help="AdmissionConfig YAML or JSON")
     adm.add_argument("--shard", type=int, help="override the config's shard (a trainer rank)")
+    adm.add_argument("--snapshot-every", type=int, help="transitions between scheduler snapshots (overrides the config)")
     adm.set_defaults(run=_admission)
 
     con = sub.add_parser("consumer", help="run a stateless rollout consumer")
     con.add_argument("--config", required=True, help="ConsumerConfig YAML or JSON")
     con.add_argument("--source", help="module:factory of the SessionSource (overrides the config)")
     con.add_argument("--slots", type=int, help="concurrent sessions (overrides the config)")
+    con.add_argument("--name", help="the consumer's name (default: host-pid-random)")
     con.set_defaults(run=_consumer)
 
     tr = sub.add_parser("trainer", help="run one trainer process (a DeepSpeed rank; under torchrun for several)")
-    tr.add_argument("--config", required=True, help="RunConfig YAML or JSON (trainer/config.py)")
+    tr.add_argument("--config", required=True, help="RunConfig YAML or JSON (trainer/run_config.py)")
     tr.add_argument("--steps", type=int, help="override the config's steps")
     tr.set_defaults(run=_trainer)
 
@@ -250,7 +252,7 @@ def parser() -> argparse.ArgumentParser:
     gw.add_argument("--temperature", type=float, help="force this sampling temperature (the trainer's) on every call")
     gw.set_defaults(run=_gateway)
 
-    from pipeline import chart_run
+    from rollstream import chart_run
 
     chart = sub.add_parser("chart-run", help="render the Helm chart and run every workload it renders as local "
                                              "processes: probes, a few trainer steps, the helm test hook")
@@ -267,7 +269,7 @@ def parser() -> argparse.ArgumentParser:
     scale.add_argument("--events", type=int, default=20_000)
     scale.add_argument("--repeats", type=int, default=3, help="runs per size; the best counts")
     scale.set_defaults(run=_bench_scale)
-    from pipeline import bench_admission, bench_schedule
+    from rollstream import bench_admission, bench_schedule
 
     schedule = bench_sub.add_parser("schedule", help="sync, group, batch and stream policies on the whole pipeline")
     bench_schedule.add_arguments(schedule)
@@ -275,12 +277,12 @@ def parser() -> argparse.ArgumentParser:
     admission_bench = bench_sub.add_parser("admission", help="admission + packing against the raw Redis floor")
     bench_admission.add_arguments(admission_bench)
     admission_bench.set_defaults(run=_bench_admission)
-    from pipeline import bench_consumer
+    from rollstream import bench_consumer
 
     consumer_bench = bench_sub.add_parser("consumer", help="a rollout consumer's overhead against the raw Redis floor")
     bench_consumer.add_arguments(consumer_bench)
     consumer_bench.set_defaults(run=_bench_consumer)
-    from pipeline import bench_vllm
+    from rollstream import bench_vllm
 
     vllm_bench = bench_sub.add_parser("vllm", help="a real vLLM server: push seconds, tokens/s, mismatch")
     bench_vllm.add_arguments(vllm_bench)
@@ -288,7 +290,7 @@ def parser() -> argparse.ArgumentParser:
     learn = bench_sub.add_parser(
         "learn", add_help=False, help="sync, batch and stream training: reward per sample and per "
         "second (rollstream bench learn --help for its options)")
-    learn.set_defaults(run=None)  # main() hands `rollstream bench learn ...` to trainer.bench_learn
+    learn.set_defaults(run=None)  # main() hands `rollstream bench learn ...` to rollstream.bench_learn
     return p
 
 
@@ -302,15 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     if argv[:1] == ["demo"]:  # the demo parses its own options (rollstream demo --help)
-        from trainer import demo
+        from rollstream import demo
 
         return guarded("rollstream demo", lambda: demo.main(argv[1:]))
     if argv[:2] == ["bench", "learn"]:  # so does the learning benchmark
-        from trainer import bench_learn
+        from rollstream import bench_learn
 
         return guarded("rollstream bench learn", lambda: bench_learn.main(argv[2:]))
     if argv[:1] == ["chaos"]:  # so does the chaos run (rollstream chaos --help)
-        from trainer import chaos
+        from rollstream import chaos
 
         return guarded("rollstream chaos", lambda: chaos.main(argv[1:]))
     args = parser().parse_args(argv)

@@ -8,7 +8,7 @@ without GPUs and in tests.
     rollstream engine --model tiny --port 8001 --weights-redis redis://redis:6379/0 --namespace exp1
     rollstream engine --model tiny --port 8001 --weights-dir /ckpt/w
 
-Models: `tiny` is a `TinyTransformer` of `trainer.config.TinyModelConfig`'s defaults (the
+Models: `tiny` is a `TinyTransformer` of `domain.model_config.TinyModelConfig`'s defaults (the
 envs' 64-id `VOCAB`); a YAML/JSON file is a trainer `ModelConfig` (`kind: tiny | hf`), so the
 engine builds exactly the model the trainer starts from (version 0); a directory holds a
 Hugging Face `config.json` (its weights are loaded when present, otherwise it is built from
@@ -50,7 +50,7 @@ run's `weights` stream (`--weights-redis` + `--namespace`, or `--redis-config FI
 process config's user and password source: every announced version is
 loaded with `consumers.weights.load_weights`, digest checked), from a directory a
 `DirectoryPublisher` writes (`--weights-dir`, polled), or through the two admin endpoints
-(what `producers.engines` pushes to SGLang and vLLM). A Redis outage never stops the
+(what `producers.engine_publishers` pushes to SGLang and vLLM). A Redis outage never stops the
 follower: it retries (backoff up to 5 s), the engine answers with its last version
 meanwhile and says so (`/health`, the metrics), and what was announced in between is loaded
 once Redis answers. At start, a Redis it cannot reach or that refuses its credentials, and a
@@ -78,11 +78,11 @@ from prometheus_client.exposition import choose_encoder
 from torch import nn
 
 from consumers.http import BadRequest, bad_requests, field, json_body, sse_response
-from consumers.tokenizers import CharTokenizer, HFTokenizer, has_tokenizer
+from domain.tokenizers import CharTokenizer, HFTokenizer, has_tokenizer
 from consumers.sources.policy import _last_logits, build_model
 from pipeline.errors import CommandError, ConfigError
 from pipeline.metrics import Metrics
-from trainer.model import context_size, vocab_size
+from domain.model import context_size, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ MODEL_SPECS = "tiny, a trainer ModelConfig YAML/JSON file, or a Hugging Face mod
 def _model_from_path(path: Path) -> tuple[nn.Module, Any]:
     """A model (and its tokenizer) from a trainer ModelConfig file or a Hugging Face directory."""
     from pipeline.config import load
-    from trainer.config import ModelConfig
+    from domain.model_config import ModelConfig
 
     if path.is_file():
         return build_model(load(ModelConfig, path).build()), None
@@ -124,7 +124,7 @@ def build(spec: str) -> Engine:
     """The engine `--model` names: `tiny`, a ModelConfig file, or a Hugging Face directory;
     a model that is not there is a ConfigError, one that does not load a CommandError."""
     if spec == "tiny":
-        from trainer.config import TinyModelConfig
+        from domain.model_config import TinyModelConfig
 
         model, tokenizer = build_model(TinyModelConfig().build()), None
     else:
@@ -493,12 +493,12 @@ class Engine:
             gone = threading.Event()
 
             def emit(token: int, lp: float, version: int) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (token, lp, version))
+                loop.call_soon_threadsafe(queue.put_nowait, (token, lp, version))  # noqa: B023 (awaited within this iteration)
 
-            task = loop.run_in_executor(None, lambda: self.sample(prompt, params, generator, emit, gone.is_set))
+            task = loop.run_in_executor(None, lambda: self.sample(prompt, params, generator, emit, gone.is_set))  # noqa: B023 (awaited within this iteration)
             # the sentinel follows every token (both are scheduled on this loop in order);
             # reading the exception keeps a Stopped task from being reported as unretrieved
-            task.add_done_callback(lambda f: (f.cancelled() or f.exception(), queue.put_nowait(None)))
+            task.add_done_callback(lambda f: (f.cancelled() or f.exception(), queue.put_nowait(None)))  # noqa: B023 (awaited within this iteration)
             said: list[int] = []
             try:
                 while (item := await queue.get()) is not None:
@@ -747,7 +747,7 @@ def _weights_redis(args: argparse.Namespace) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`rollstream engine` (its options: `pipeline.cli`)."""
+    """`rollstream engine` (its options: `rollstream.cli`)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     redis_config = _weights_redis(args)

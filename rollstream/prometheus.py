@@ -1,6 +1,6 @@
 """A local Prometheus server (Debian's `prometheus` package, or any `prometheus` binary on
 PATH) and the Grafana dashboard's panel queries, for the integration tests and
-`pipeline.dashboard_plot`.
+`rollstream.dashboard_plot`.
 
     with Prometheus(folder, ["127.0.0.1:9400", ...]) as prom:    # scrapes every second
         prom.wait_scraped()

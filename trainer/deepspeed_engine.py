@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import TrainerConfig
+from trainer.run_config import TrainerConfig
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
     run.stop()
 
 The production layout on one machine, for tests, `rollstream chaos` and trying things out:
-every process is `python -m pipeline.cli <role> --config FILE` with its config written
+every process is `python -m rollstream.cli <role> --config FILE` with its config written
 under the folder. Admission consumer *i* serves shard *i* with the run's `scheduler`
 section; the rollout consumers run a `PolicySource` over the run's `data.env` with the
 trainer's model config and the run's publisher as their weights source; the trainer ranks
@@ -27,7 +27,7 @@ from typing import Any
 
 from pipeline.config import AdmissionConfig, ConsumerConfig, build
 from pipeline.processes import Process, free_port
-from trainer.config import RunConfig
+from trainer.run_config import RunConfig
 
 class LocalRun:
     """The processes of one run (module docstring)."""
@@ -83,7 +83,7 @@ class LocalRun:
         name = log or role
         n = self.restarts.get(name, 0)
         self.restarts[name] = n + 1
-        return Process(role, [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", role,
+        return Process(role, [sys.executable, "-m", "rollstream.cli", "--log-level", "INFO", role,
                               "--config", str(config), *extra],
                        self.folder / f"{name}.log", env=env)
 
@@ -106,7 +106,7 @@ class LocalRun:
         if self.launcher == "torchrun":
             args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                     "--nproc_per_node", str(self.ranks), "--master_addr", "127.0.0.1",
-                    "--master_port", port, "-m", "pipeline.cli", "--log-level", "INFO",
+                    "--master_port", port, "-m", "rollstream.cli", "--log-level", "INFO",
                     "trainer", "--config", str(self.trainer_file), *extra]
             self.trainers = [Process("trainer", args, self.folder / "trainer.log", env=env)]
             return self.trainers

@@ -1,4 +1,5 @@
-"""The trainer's side of task registration: `task_ids` and the prefetching task stream.
+"""The trainer's side of task registration: the prefetching task stream (`task_ids`, the
+default tasks of a batch, is `domain.batches.task_ids`).
 
 `TaskStream` wraps any iterable of task batches. Each time it is iterated (a start, or a
 resume that reopens it) it opens a new epoch, then reads `ahead` batches beyond the one the
@@ -14,25 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from domain.batches import Batch
 from pipeline.sessions import Task
-
-Batch = Any
-
-
-def task_ids(batch: Batch) -> list[Task]:
-    """One task per integer `task_id` row, named by its decimal id."""
-    if not isinstance(batch, Mapping) or "task_id" not in batch:
-        raise ValueError("task_ids needs a batch mapping with a 'task_id' column")
-    ids = batch["task_id"]
-    if hasattr(ids, "tolist"):  # a tensor or an array
-        ids = ids.tolist()
-    tasks = []
-    for value in ids:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"task_id rows must be integers, got {value!r}")
-        tasks.append(Task(str(value)))
-    return tasks
-
 
 class TaskStream:
     """A re-iterable stream of task batches that registers each batch ahead of its step, and

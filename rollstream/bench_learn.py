@@ -5,7 +5,7 @@ synchronous training, and sooner per second?
                            [--policies sync batch stream]
                            [--max-lag 2] [--plot learn.png] [--out DIR]
 
-The same task, model, optimizer and seeds as `rollstream demo` (trainer/demo.py: copy one
+The same task, model, optimizer and seeds as `rollstream demo` (rollstream/demo.py: copy one
 digit, GRPO, one CPU rank, everything in one process on an embedded Redis), under three
 schedules:
 
@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer import demo
+from rollstream import demo
 from trainer.loop import finite
 
 POLICIES: dict[str, dict[str, Any]] = {

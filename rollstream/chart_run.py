@@ -92,7 +92,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import CommandError, ConfigError
-from pipeline.processes import ROOT, Process, free_port
+from pipeline.processes import ROOT, Process, child_env, free_port
 
 CHART = ROOT / "helm" / "rollstream"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -322,7 +322,7 @@ def image_problems(docs: list[dict[str, Any]], image: ImageSpec, *, image_name: 
     absolute path in the args and environment is under a mount or in the image; and the
     variables naming a place to write (HOME, TMPDIR, *_HOME, *_CACHE_DIR) point under a
     writable mount (the root filesystem is read-only)."""
-    from pipeline.cli import parser
+    from rollstream.cli import parser
 
     out = []
     if image.entrypoint[:1] != ("rollstream",):
@@ -1147,7 +1147,7 @@ def _tcp(port: int, timeout: float) -> bool:
 
 def _exec(argv: list[str], env: Mapping[str, str], cwd: Path, timeout: float) -> bool:
     try:
-        return subprocess.run(argv, env=dict(env), cwd=cwd, capture_output=True, timeout=timeout,
+        return subprocess.run(argv, env=child_env(env, inherit_env=False), cwd=cwd, capture_output=True, timeout=timeout,
                               check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -1613,8 +1613,8 @@ class Runner:
         config = admission.argv[admission.argv.index("--config") + 1]
         shards = len([c for c in self.running if c.pod.workload == admission.pod.workload])
         argv = [admission.argv[0], "status", "--config", config, "--shards", str(shards), "--json"]
-        done = subprocess.run(argv, env=admission.env, cwd=admission.cwd, capture_output=True, text=True,
-                              timeout=60, check=False)
+        done = subprocess.run(argv, env=child_env(admission.env, inherit_env=False), cwd=admission.cwd,
+                              capture_output=True, text=True, timeout=60, check=False)
         if done.returncode != 0:
             raise ChartRunError([f"{admission.label}: `rollstream status` exited {done.returncode}: "
                                  f"{done.stderr[-1500:]}"])

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgpack
 
 from pipeline import wire
-from pipeline.bench_admission import raw_floor
+from rollstream.bench_admission import raw_floor
 from pipeline.config import ConsumerConfig, RedisConfig, build
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.redis_io import connect, delete_namespace, embedded, ensure_group

@@ -3,7 +3,7 @@
 `TrainerConfig` (the model, the optimizer, the ZeRO stage, the backend).
 
     config = load(RunConfig, "trainer.yaml").trainer     # pipeline.config.load
-    engine = build_engine(config)                       # trainer.engine
+    engine = build_engine(config)                       # trainer.deepspeed_engine
 
 The `trainer:` section:
 
@@ -32,64 +32,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.config import RedisConfig, SchedulerConfig, _Model, metrics_address
-from trainer.model import TinyConfig
-
-
-class TinyModelConfig(_Model):
-    """The fields of `trainer.model.TinyConfig`."""
-
-    vocab: int = Field(64, ge=1)
-    d_model: int = Field(64, ge=1)
-    n_layers: int = Field(2, ge=1)
-    n_heads: int = Field(4, ge=1)
-    max_positions: int = Field(64, ge=1)
-    d_ff: int | None = Field(None, ge=1)
-    seed: int = 0
-    init_std: float = Field(0.02, gt=0)
-
-    @model_validator(mode="after")
-    def _heads(self) -> TinyModelConfig:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        return self
-
-    def build(self) -> TinyConfig:
-        return TinyConfig(**self.model_dump())
-
-
-class ModelConfig(_Model):
-    """Which model the trainer trains: the built-in tiny transformer or an HF causal LM."""
-
-    kind: Literal["tiny", "hf"] = "tiny"
-    tiny: TinyModelConfig = TinyModelConfig()
-    hf: dict[str, Any] | None = Field(
-        None, description="transformers.AutoConfig.for_model(**hf), e.g. {model_type: gpt2, n_layer: 2}")
-    path: str | None = Field(
-        None, description="a local Hugging Face model directory (config and weights; nothing is downloaded)")
-
-    @model_validator(mode="after")
-    def _hf(self) -> ModelConfig:
-        if self.kind == "hf" and not (self.path or (self.hf and "model_type" in self.hf)):
-            raise ValueError("model.kind=hf needs model.path, or model.hf with a model_type")
-        if self.path and self.hf:
-            raise ValueError("model.path and model.hf exclude each other")
-        if self.path and self.kind != "hf":
-            raise ValueError("model.path needs model.kind=hf")
-        return self
-
-    def build(self) -> Any:
-        """A `TinyConfig`, a `transformers.PretrainedConfig`, or the local model directory
-        (what `PolicySource`'s `model_config` and `consumers.sources.policy.build_model` take)."""
-        if self.kind == "tiny":
-            return self.tiny.build()
-        if self.path:
-            return self.path
-        from transformers import AutoConfig
-
-        hf = dict(self.hf or {})
-        hf.setdefault("attn_implementation", "sdpa")  # packed rows run with a 4-D mask
-        return AutoConfig.for_model(**hf)
+from pipeline.config import MAX_MESSAGE_BYTES, RedisConfig, SchedulerConfig, _Model, metrics_address
+from domain.model_config import ModelConfig
 
 
 class OptimizerConfig(_Model):
@@ -152,14 +96,14 @@ class DataConfig(_Model):
     """The task stream: batches of `batch_size` consecutive task ids per batch share, with
     each task's problem from the environment the rollout consumers run (same env_args)."""
 
-    env: str = Field("arithmetic", description="a name of consumers.sources.envs.ENVS")
+    env: str = Field("arithmetic", description="a name of domain.envs.ENVS")
     env_args: dict[str, Any] = Field(default_factory=dict)
     batch_size: int = Field(16, ge=1, description="tasks per step per batch share")
     first_task: int = Field(0, ge=0, description="id of the first task")
 
     @model_validator(mode="after")
     def _env(self) -> DataConfig:
-        from consumers.sources.envs import ENVS
+        from domain.envs import ENVS
 
         if self.env not in ENVS:
             raise ValueError(f"env {self.env!r} is not one of {sorted(ENVS)}")
@@ -168,7 +112,7 @@ class DataConfig(_Model):
 
 class PublisherConfig(_Model):
     """Where the weights go: Redis (chunked safetensors), a shared directory, or external
-    inference engines that load each version from a shared directory (`producers.engines`:
+    inference engines that load each version from a shared directory (`producers.engine_publishers`:
     `vllm`, `sglang`; each push is told to the `gateways` too)."""
 
     kind: Literal["redis", "directory", "vllm", "sglang"] = "redis"
@@ -222,7 +166,7 @@ class RunConfig(_Model):
     share: int = Field(1, ge=1, description="ranks reading one batch share (first_reader_batch)")
     step_timeout_s: float = Field(3600.0, gt=0)
     max_message_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024, description="largest entry the trainer writes (bigger: refused, "
+        MAX_MESSAGE_BYTES, ge=1024, description="largest entry the trainer writes (bigger: refused, "
         "nothing written) or reads (bigger: dead-lettered); as the admission consumers'")
     record: str | None = Field(
         None, description="JSON lines, one per step (StepRecord.row() and the trained tasks); "

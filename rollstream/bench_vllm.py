@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from consumers.vllm_server import VLLMServer, missing
     from pipeline.processes import free_port
-    from producers.engines import VLLMPublisher
+    from producers.engine_publishers import VLLMPublisher
     from trainer.hf_dir import write_model_dir
 
     why = missing()
@@ -197,7 +197,7 @@ def _gateway(engine: str, log: Path) -> tuple[Any, str]:
     from pipeline.processes import Process, free_port
 
     port = free_port()
-    process = Process("gateway", [sys.executable, "-m", "pipeline.cli", "gateway", "--engine", engine,
+    process = Process("gateway", [sys.executable, "-m", "rollstream.cli", "gateway", "--engine", engine,
                                   "--port", str(port)], log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

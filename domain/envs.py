@@ -34,14 +34,17 @@ problems in the payload (a `RolloutScheduler(tasks=...)`).
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.sessions import Task
-from trainer.tasks import task_ids
+from domain.batches import task_ids
 
 _WORDS = ("<pad>", "<bos>", "<eos>", "<guess>", "<higher>", "<lower>", "<correct>", "<invalid>")
 _CHARS = "0123456789+-*=?: abcdefghijklmnopqrstuvwxyz"
@@ -132,7 +135,9 @@ def score(answer: str, said: str) -> float:
     return sum(a == b for a, b in zip(answer, said)) / longest
 
 
-class _EnvBase:
+class EnvBase:
+    """What every environment here shares: `tasks(batch)` gives each task its problem."""
+
     vocab: Vocab = VOCAB
     seed: int = 0
 
@@ -147,7 +152,7 @@ class _EnvBase:
 # ----------------------------------------------------------------------------- single turn
 
 
-class ArithmeticEnv(_EnvBase):
+class ArithmeticEnv(EnvBase):
     """Single turn: `op` in copy | reverse | add (module docstring). `digits` is the length
     of copy/reverse; `max_operand` bounds the addends of `add` (default 4: one-digit sums)."""
 
@@ -200,7 +205,7 @@ class AnswerEpisode:
 # ----------------------------------------------------------------------------- multi turn
 
 
-class GuessEnv(_EnvBase):
+class GuessEnv(EnvBase):
     """Guess a secret in [0, n) in `max_turns` turns, told higher or lower (module docstring)."""
 
     def __init__(self, *, n: int = 8, max_turns: int = 3, seed: int = 0) -> None:
@@ -247,15 +252,64 @@ class GuessEpisode:
         return None
 
 
-def _prompt_set(**args: Any) -> Any:
-    from consumers.sources.prompts import PromptSet  # it builds on this module
+# ----------------------------------------------------------------------------- prompt sets
+def exact(answer: str, said: str) -> float:
+    return float(said.strip() == answer.strip())
 
-    return PromptSet(**args)
+
+VERIFIERS: Mapping[str, Callable[[str, str], float]] = {"exact": exact, "partial": score}
 
 
-ENVS: Mapping[str, Callable[..., Any]] = {"arithmetic": ArithmeticEnv, "guess": GuessEnv, "prompts": _prompt_set}
+def read_prompts(prompts: str | os.PathLike[str] | Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """The problems of a JSONL file (one `{"prompt": ..., "answer": ...}` per line) or a list."""
+    if isinstance(prompts, (str, os.PathLike)):
+        lines = Path(prompts).read_text().splitlines()
+        prompts = [json.loads(line) for line in lines if line.strip()]
+    out = []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Mapping) or "prompt" not in p or "answer" not in p:
+            raise ValueError(f"prompt {i} needs 'prompt' and 'answer', got {p!r}")
+        out.append({"prompt": str(p["prompt"]), "answer": str(p["answer"])})
+    if not out:
+        raise ValueError("the prompt set is empty")
+    return out
+
+
+class PromptSet(EnvBase):
+    """A single-turn environment over a prompt set (module docstring)."""
+
+    def __init__(self, prompts: Any, *, verifier: str | Callable[[str, str], float] = "exact",
+                 vocab: Vocab = VOCAB, tokenizer: str | os.PathLike[str] | None = None) -> None:
+        self.prompts = read_prompts(prompts)
+        if isinstance(verifier, str) and verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r}")
+        self.verifier = VERIFIERS[verifier] if isinstance(verifier, str) else verifier
+        if tokenizer is not None:
+            from domain.tokenizers import HFTokenizer
+
+            vocab = HFTokenizer(tokenizer)
+        self.vocab = vocab
+        for p in self.prompts:  # refuse text the vocabulary cannot encode, up front
+            vocab.encode(p["prompt"])
+
+    def problem(self, task: Task) -> dict[str, Any]:
+        if "prompt" in task.payload and "answer" in task.payload:
+            return {"prompt": str(task.payload["prompt"]), "answer": str(task.payload["answer"])}
+        try:
+            index = int(task.id)
+        except ValueError:
+            raise ValueError(f"task {task.id!r}: a prompt-set task id is a row number, or its "
+                             "payload carries prompt and answer") from None
+        return self.prompts[index % len(self.prompts)]
+
+    def start(self, task: Task) -> Episode:
+        p = self.problem(task)
+        return AnswerEpisode(self.vocab, self.vocab.prompt(p["prompt"]), p["answer"], self.verifier)
+
+
+ENVS: Mapping[str, Callable[..., Any]] = {"arithmetic": ArithmeticEnv, "guess": GuessEnv, "prompts": PromptSet}
 """Environments by name, for a `PolicySource(env="guess", env_args={...})` built from config;
-`prompts` is `consumers.sources.prompts.PromptSet` (`env_args: {prompts: FILE.jsonl,
+`prompts` is `PromptSet` (`env_args: {prompts: FILE.jsonl,
 verifier: exact|partial}`), a prompt set of your own."""
 
 

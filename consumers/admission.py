@@ -69,9 +69,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from consumers import journal, trimming
+from consumers import journal
 from consumers.fence import Fence
-from pipeline import wire
+from pipeline import streams, wire
 from pipeline.config import AdmissionConfig, scheduler_differences
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
 from pipeline.metrics import Metrics, serving
@@ -83,7 +83,6 @@ from pipeline.redis_io import (
     Outage,
     check,
     connect,
-    ensure_group,
     parse_id,
     text,
 )
@@ -156,7 +155,7 @@ class _Txn:
 
     def xadd(self, stream: str, fields: dict[bytes, bytes]) -> None:
         self.bytes += sum(len(v) for v in fields.values())
-        self.pipe.xadd(stream, fields)
+        streams.append(self.pipe, stream, fields)
 
     @property
     def transitions(self) -> int:
@@ -266,9 +265,9 @@ class Admission:
         work this consumer claimed but did not commit."""
         k = self.keys
         for stream in self._expect:
-            ensure_group(self.r, stream, self.group)
-        ensure_group(self.r, k.work, WORK_GROUP)
-        ensure_group(self.r, k.ready(self.shard), TRAINER_GROUP)
+            streams.ensure_group(self.r, stream, self.group)
+        streams.ensure_group(self.r, k.work, WORK_GROUP)
+        streams.ensure_group(self.r, k.ready(self.shard), TRAINER_GROUP)
         journal.check_config(self.r, k, self.shard, self.config.scheduler)
         self._rebuild()
         self._backlog = True  # read this consumer's own pending inputs first
@@ -316,16 +315,16 @@ class Admission:
         entries, self._deferred = _up_to(entries, cutoff)
         return entries
 
-    def _xread(self, streams: dict[str, str],
+    def _xread(self, names: dict[str, str],
                block_ms: int | None) -> tuple[list, tuple[int, int] | None]:
         """The entries read, sorted by id, and the lowest last id of a stream whose read
         was cut at `read_count` (None if none was)."""
-        reply = self.r.xreadgroup(self.group, self.name, streams, count=self.read_count,
-                                  block=block_ms)
-        entries = [(text(stream), entry_id, fields)
-                   for stream, items in reply or [] for entry_id, fields in items]
-        entries.sort(key=lambda e: parse_id(e[1]))
-        cut = [parse_id(items[-1][0]) for _, items in reply or [] if len(items) >= self.read_count]
+        entries = streams.read_group(self.r, self.group, self.name, names, count=self.read_count,
+                                     block_ms=block_ms)
+        per_stream = Counter(e.stream for e in entries)
+        cut = [max(parse_id(e.id) for e in entries if e.stream == name)
+               for name, n in per_stream.items() if n >= self.read_count]
+        entries.sort(key=lambda e: parse_id(e.id))
         return entries, min(cut, default=None)
 
     # ------------------------------------------------------------------ transitions
@@ -476,13 +475,13 @@ class Admission:
         if held:  # one HSET for the transaction (the names are new: one per attempt)
             txn.pipe.hset(self.keys.held(self.shard), mapping=held)
         for (stream, group), ids in txn.acks.items():
-            txn.pipe.xack(stream, group, *ids)
+            streams.ack(txn.pipe, stream, group, *ids)
         snapshot = self._since_snapshot + txn.transitions >= self.snapshot_every
         if snapshot:  # it covers this transaction's events too
             txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
             txn.pipe.delete(self.keys.journal(self.shard))
         elif txn.journal:  # the transaction's events, in order, in one entry
-            txn.pipe.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_events(txn.journal)})
+            streams.append(txn.pipe, self.keys.journal(self.shard), {journal.FIELD: journal.encode_events(txn.journal)})
         self.fence.renew_in(txn.pipe)
         self._execute(txn)
         self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions
@@ -631,7 +630,8 @@ class Admission:
         """The encoded result a held value stands for (read from its entry for a reference)."""
         if value is None or not value.startswith(REF):
             return value
-        entry = self.r.xrange(self.keys.results(self.shard), min=value[len(REF):], max=value[len(REF):])
+        entry_id = text(value[len(REF):])
+        entry = streams.entries(self.r, self.keys.results(self.shard), entry_id, entry_id)
         return entry[0][1].get(wire.FIELD) if entry else None
 
     def _held_from(self) -> str | None:
@@ -678,20 +678,19 @@ class Admission:
             return 0
         entries = self._work_entries(ids)
         gone = [i for i in ids if i not in entries]
-        if gone:  # deleted while pending: only the pending record is left
-            self.r.xack(self.keys.work, WORK_GROUP, *gone)
+        streams.ack(self.r, self.keys.work, WORK_GROUP, *gone)  # deleted while pending
         ours = [i for i, (msg, _) in entries.items() if msg is None or msg.shard == self.shard]
         if not ours:
             return 0
-        claimed = self.r.xclaim(self.keys.work, WORK_GROUP, self.name, lease_ms, ours, justid=True)
+        claimed = streams.claim(self.r, self.keys.work, WORK_GROUP, self.name, lease_ms, ours)
         return self._finish_reclaimed({i: entries[i] for i in claimed if i in entries})
 
     def _idle_work(self, lease_ms: int) -> list[bytes]:
         ids: list[bytes] = []
         start = "-"
         for _ in range(RECLAIM_PAGES):
-            page = self.r.xpending_range(self.keys.work, WORK_GROUP, min=start, max="+",
-                                         count=RECLAIM_PAGE, idle=lease_ms)
+            page = streams.pending(self.r, self.keys.work, WORK_GROUP, start=start,
+                                   count=RECLAIM_PAGE, idle_ms=lease_ms)
             ids += [p["message_id"] for p in page]
             if len(page) < RECLAIM_PAGE:
                 break
@@ -700,20 +699,19 @@ class Admission:
 
     def _own_work(self) -> dict[bytes, tuple[wire.Work | None, dict]]:
         """Work entries this consumer claimed and had not finished when it stopped."""
-        page = self.r.xpending_range(self.keys.work, WORK_GROUP, min="-", max="+",
-                                     count=RECLAIM_PAGE * RECLAIM_PAGES, consumername=self.name)
+        page = streams.pending(self.r, self.keys.work, WORK_GROUP,
+                               count=RECLAIM_PAGE * RECLAIM_PAGES, consumer=self.name)
         ids = [p["message_id"] for p in page]
         entries = self._work_entries(ids)
         gone = [i for i in ids if i not in entries]
-        if gone:
-            self.r.xack(self.keys.work, WORK_GROUP, *gone)
+        streams.ack(self.r, self.keys.work, WORK_GROUP, *gone)
         return entries
 
     def _work_entries(self, ids: Sequence[bytes]) -> dict[bytes, tuple[wire.Work | None, dict]]:
         """The work entries still in the stream, decoded (None where they do not decode)."""
         pipe = self.r.pipeline(transaction=False)
         for entry_id in ids:
-            pipe.xrange(self.keys.work, min=entry_id, max=entry_id)
+            streams.entries(pipe, self.keys.work, entry_id, entry_id)
         out = {}
         for found in pipe.execute():
             for entry_id, fields in found:
@@ -743,17 +741,17 @@ class Admission:
     # ------------------------------------------------------------------ trimming
 
     def trim(self) -> None:
-        """Trim every stream this shard reads or writes (see `consumers.trimming`)."""
+        """Trim every stream this shard reads or writes (see `pipeline.streams`)."""
         k, shard = self.keys, self.shard
         for stream in (k.tasks(shard), k.work, k.ready(shard)):
-            trimming.trim_acknowledged(self.r, stream)
+            streams.trim_acknowledged(self.r, stream)
         # acknowledged results still held (by reference) until their step is emitted are kept
-        trimming.trim_acknowledged(self.r, k.results(shard), keep_from=self._held_from())
-        trimming.trim_acknowledged(self.r, k.weights, keep_last=True)
-        trimming.trim_by_age(self.r, k.control, self.control_retention_s)
+        streams.trim_acknowledged(self.r, k.results(shard), keep_from=self._held_from())
+        streams.trim_acknowledged(self.r, k.weights, keep_last=True)
+        streams.trim_by_age(self.r, k.control, self.control_retention_s)
         self.r.zremrangebyscore(k.cancelled(shard), "-inf", self.clock() - self.control_retention_s)
-        trimming.trim_length(self.r, k.records(shard), RECORDS_MAXLEN)
-        trimming.trim_length(self.r, k.dead, DEAD_MAXLEN)
+        streams.trim_length(self.r, k.records(shard), RECORDS_MAXLEN)
+        streams.trim_length(self.r, k.dead, DEAD_MAXLEN)
         if self.metrics is not None:
             self._observe_streams()
 

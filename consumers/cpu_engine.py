@@ -664,6 +664,7 @@ class RedisFollower(_Follower):
         super().__init__(engine)
 
     def _follow(self) -> None:
+        from pipeline import streams
         from pipeline.redis_io import FATAL, RETRYABLE, backoff_s, text
 
         pending: list[tuple[bytes, dict]] | None = None  # read, not yet loaded; None: read the newest
@@ -671,14 +672,15 @@ class RedisFollower(_Follower):
         while not self.stop_event.is_set():
             try:
                 if pending is None:
-                    pending = list(self.r.xrevrange(self.keys.weights, count=1))
+                    newest = streams.newest(self.r, self.keys.weights)
+                    pending = [newest] if newest else []
                 while pending:
                     entry_id, fields = pending[0]
                     self._load(fields)
                     last = text(entry_id)
                     pending.pop(0)
-                reply = self.r.xread({self.keys.weights: last}, block=self.block_ms)
-                pending = list(reply[0][1]) if reply else []
+                read = streams.read(self.r, {self.keys.weights: last}, block_ms=self.block_ms)
+                pending = [(e.id, e.fields or {}) for e in read]
                 self._followed()
                 failures = 0
             except (*RETRYABLE, *FATAL) as exc:  # never given up: reported, retried

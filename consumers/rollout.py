@@ -66,7 +66,7 @@ from typing import Any
 import redis
 
 from consumers.sources import load_source
-from pipeline import wire
+from pipeline import streams, wire
 from pipeline.config import ConsumerConfig
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.metrics import Metrics, serving
@@ -76,7 +76,6 @@ from pipeline.redis_io import (
     Outage,
     check,
     connect,
-    ensure_group,
     parse_id,
     text,
 )
@@ -282,14 +281,14 @@ class RolloutConsumer:
 
     def _prepare(self) -> None:
         check(self.r, self.config.redis)
-        ensure_group(self.r, self.keys.work, WORK_GROUP)
+        streams.ensure_group(self.r, self.keys.work, WORK_GROUP)
         last = {self.keys.control: "0-0", self.keys.weights: "0-0"}
         for stream in last:
-            newest = self.r.xrevrange(stream, count=1)
+            newest = streams.newest(self.r, stream)
             if newest:
-                last[stream] = text(newest[0][0])
+                last[stream] = text(newest[0])
                 if stream == self.keys.weights:
-                    self._on_broadcast(stream, newest[0][0], newest[0][1])
+                    self._on_broadcast(stream, *newest)
         self._spawn(self._listen, last, name="listener", background=True)
         if self.is_async:
             self._loop = asyncio.new_event_loop()
@@ -330,11 +329,9 @@ class RolloutConsumer:
         """Run the entries pending under this consumer's name that it is not running (a
         restart under the same name, or a read whose reply was lost)."""
         known = set(self._owned)  # before the read: one published meanwhile is still known
-        reply = self.r.xreadgroup(WORK_GROUP, self.name, {self.keys.work: "0"})
-        items = [(i, f) for _, entries in reply or [] for i, f in entries if i not in known]
-        gone = [i for i, f in items if not f]
-        if gone:
-            self.r.xack(self.keys.work, WORK_GROUP, *gone)
+        items = [(e.id, e.fields) for e in streams.read_group(self.r, WORK_GROUP, self.name, {self.keys.work: "0"})
+                 if e.id not in known]
+        streams.ack(self.r, self.keys.work, WORK_GROUP, *(i for i, f in items if not f))  # deleted while pending
         self._start([(i, f) for i, f in items if f])
 
     # ------------------------------------------------------------------ main loop steps
@@ -346,9 +343,9 @@ class RolloutConsumer:
         if free <= 0:
             self._freed.wait(self.block_ms / 1000)
             return
-        reply = self.r.xreadgroup(WORK_GROUP, self.name, {self.keys.work: ">"}, count=free,
-                                  block=self.block_ms)
-        self._start([(i, f) for _, entries in reply or [] for i, f in entries])
+        read = streams.read_group(self.r, WORK_GROUP, self.name, {self.keys.work: ">"}, count=free,
+                                  block_ms=self.block_ms)
+        self._start([(e.id, e.fields) for e in read])
 
     def _start(self, items: Sequence[tuple[bytes, dict]]) -> None:
         """Dead-letter undecodable entries, skip cancelled attempts, start the rest."""
@@ -383,13 +380,13 @@ class RolloutConsumer:
         waiting for a result that would never come."""
         self.stats["dead_letters"] += 1
         log.warning("consumer %s: dead-lettered work %s: %s", self.name, text(entry_id), exc)
-        pipe.xadd(self.keys.dead, wire.dead_letter_fields(self.keys.work, entry_id, str(exc), fields))
+        streams.dead_letter(pipe, self.keys.dead, self.keys.work, entry_id, str(exc), fields)
         named = wire.named_attempt(fields)
         if named is not None:
             self.stats["salvaged"] += 1
             failed = wire.Result(*named, self.name, Status.INFRA_ERROR)
-            pipe.xadd(self.keys.results(named[0]), wire.to_fields(failed))
-        pipe.xack(self.keys.work, WORK_GROUP, entry_id)
+            streams.append(pipe, self.keys.results(named[0]), wire.to_fields(failed))
+        streams.ack(pipe, self.keys.work, WORK_GROUP, entry_id)
         if self.metrics is not None:
             self.metrics.dead_letter("work", exc.field)
 
@@ -424,7 +421,7 @@ class RolloutConsumer:
         skipped = {o for o, mark in zip(owned, marks) if mark is not None or o.cancelled.is_set()}
         skipped = {o for o in skipped if o.claim_publication()}
         if skipped:
-            self.r.xack(self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
+            streams.ack(self.r, self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
             self.stats["skipped"] += len(skipped)
             for o in skipped:
                 self._release(o)
@@ -438,7 +435,7 @@ class RolloutConsumer:
         self._next_renew = now + self.config.lease_s / 3
         ids = list(self._owned)
         if ids:
-            kept = set(self.r.xclaim(self.keys.work, WORK_GROUP, self.name, 0, ids, justid=True))
+            kept = set(streams.claim(self.r, self.keys.work, WORK_GROUP, self.name, 0, ids))
             for entry_id in ids:
                 o = self._owned.get(entry_id)
                 if entry_id not in kept and o is not None and not o.published:
@@ -519,10 +516,10 @@ class RolloutConsumer:
                         return
                 pipe = self.r.pipeline(transaction=True)
                 for p in batch:
-                    pipe.xadd(self.keys.results(p.owned.work.shard), p.fields)
+                    streams.append(pipe, self.keys.results(p.owned.work.shard), p.fields)
                     if p.dead is not None:
-                        pipe.xadd(self.keys.dead, p.dead)
-                pipe.xack(self.keys.work, WORK_GROUP, *(p.owned.entry_id for p in batch))
+                        streams.append(pipe, self.keys.dead, p.dead)
+                streams.ack(pipe, self.keys.work, WORK_GROUP, *(p.owned.entry_id for p in batch))
                 pipe.execute()
                 outage.ended()
                 return
@@ -535,8 +532,8 @@ class RolloutConsumer:
     def _still_pending(self, batch: Sequence[_Publication]) -> list[_Publication]:
         pipe = self.r.pipeline(transaction=False)
         for p in batch:
-            pipe.xpending_range(self.keys.work, WORK_GROUP, min=p.owned.entry_id, max=p.owned.entry_id,
-                                count=1, consumername=self.name)
+            streams.pending(pipe, self.keys.work, WORK_GROUP, start=p.owned.entry_id, end=p.owned.entry_id,
+                            count=1, consumer=self.name)
         kept = [p for p, page in zip(batch, pipe.execute()) if page]
         for p in batch:
             if not any(p is k for k in kept):
@@ -575,17 +572,16 @@ class RolloutConsumer:
         outage = Outage(f"consumer {self.name} listener", self.config.redis.reconnect_s)
         while not self._quit.is_set():
             try:
-                reply = self.r.xread(last, block=self.block_ms)
+                read = streams.read(self.r, last, block_ms=self.block_ms)
                 outage.ended()
             except FATAL:
                 raise
             except RETRYABLE as exc:
                 self._quit.wait(outage.failed(exc))
                 continue
-            for stream, items in reply or []:
-                for entry_id, fields in items:
-                    last[text(stream)] = text(entry_id)
-                    self._on_broadcast(text(stream), entry_id, fields)
+            for stream, entry_id, fields in read:
+                last[stream] = text(entry_id)
+                self._on_broadcast(stream, entry_id, fields)
 
     def _on_broadcast(self, stream: str, entry_id: bytes, fields: dict) -> None:
         try:

@@ -14,7 +14,7 @@ Connection loss (a Redis restart, a dropped connection) does not stop a consumer
 hands each connection or timeout error to an `Outage`, which backs off (bounded exponential
 with jitter) and gives up with `RedisUnavailable` once Redis has been unreachable for
 `RedisConfig.reconnect_s`; the consumer then reconnects with a fresh client and recovers.
-Given the process's `stop` event (`Outage(stop=...)`, `ride_out`, `append_once`), a wait for
+Given the process's `stop` event (`Outage(stop=...)`, `ride_out`, `streams.append_once`), a wait for
 Redis ends with `Interrupted` as soon as it is set: a supervisor's stop works during an
 outage too. Every process calls `check(r, config)` at start: refused credentials become
 `RedisAuthError` (never retried) and an unreachable server `RedisUnreachable`, each one line
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -315,19 +315,6 @@ class Outage:
         self.since = None
 
 
-def ensure_group(r: redis.Redis, stream: str, group: str, start: str = "0") -> bool:
-    """Create consumer group `group` on `stream` (creating the stream too) reading from
-    `start`; True if it was created, False if it already existed."""
-    try:
-        r.xgroup_create(stream, group, id=start, mkstream=True)
-    except redis.exceptions.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-        return False
-    log.debug("created group %s on %s", group, stream)
-    return True
-
-
 def backoff_s(attempt: int, base_s: float = 0.05, cap_s: float = 5.0) -> float:
     """Exponential backoff: base_s * 2**attempt, capped."""
     return min(cap_s, base_s * (2 ** attempt))
@@ -367,40 +354,6 @@ def ride_out(fn: Callable[[], T], *, what: str, total_s: float,
             continue
         outage.ended()
         return result
-
-
-def _as_bytes(value: bytes | str | int | float) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
-
-
-def append_once(r: redis.Redis, stream: str, fields: dict, *, what: str, total_s: float,
-                sleep: Callable[[float], None] = time.sleep, stop: threading.Event | None = None) -> bytes:
-    """XADD `fields` to `stream` exactly once, riding out an outage of up to `total_s`.
-
-    A connection error can leave it unknown whether the entry was appended (the reply was
-    lost). Before appending again, the stream's newest entry is compared with `fields`: equal,
-    it was appended. This is exact for a stream with a single writer whose consecutive
-    entries differ (a shard's task stream, written by its trainer; the weights stream,
-    written by rank 0). Set, `stop` ends a wait for Redis with `Interrupted`."""
-    want = {_as_bytes(k): _as_bytes(v) for k, v in fields.items()}
-    outage = Outage(what, total_s, stop=stop)
-    unsure = False
-    while True:
-        try:
-            if unsure:
-                for entry_id, last in r.xrevrange(stream, count=1) or []:
-                    if {_as_bytes(k): _as_bytes(v) for k, v in (last or {}).items()} == want:
-                        outage.ended()
-                        return cast(bytes, entry_id)
-            entry_id = r.xadd(stream, fields)
-        except FATAL:
-            raise
-        except RETRYABLE as exc:
-            unsure = True
-            outage.pause(exc, sleep)
-            continue
-        outage.ended()
-        return cast(bytes, entry_id)
 
 
 def delete_namespace(r: redis.Redis, keys: Keys, *, batch: int = 500) -> int:

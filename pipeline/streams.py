@@ -1,24 +1,167 @@
-"""Stream trimming that never removes an entry some consumer group still needs.
+"""Redis Streams, the commands every side uses, in one place: create a group, read through
+it, append, acknowledge, dead-letter, claim, list what is pending, read the newest entry, and
+trim without removing an entry some group still needs.
 
-A stream read through consumer groups is trimmed with `XTRIM MINID` to the lowest id any of
-its groups may still need: the oldest entry pending in the group (delivered, not yet
-acknowledged) or, if earlier, the first entry not yet delivered to it. Every entry below
-that bound was delivered to every group and acknowledged, so nothing in flight is lost.
-A stream without any group is left alone: whoever will read it has not started yet.
+The admission consumer, the rollout consumer, the trainer's link and `rollstream status` call
+these; each takes a client or a pipeline (`r`), so a caller stages several in one
+transaction. Entries come back as `Entry(stream, id, fields)`; `fields` is None (or empty)
+for an entry deleted while it was pending, which its reader acknowledges and skips.
+
+Trimming: a stream read through consumer groups is trimmed with `XTRIM MINID` to the lowest
+id any of its groups may still need: the oldest entry pending in the group (delivered, not
+yet acknowledged) or, if earlier, the first entry not yet delivered to it. Every entry below
+that bound was delivered to every group and acknowledged, so nothing in flight is lost. A
+stream without any group is left alone: whoever will read it has not started yet.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import redis
 
-from pipeline.redis_io import next_id, parse_id, text
+from pipeline import wire
+from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, text
 
 log = logging.getLogger(__name__)
 
+Fields = dict[bytes, bytes]
+Client = Any
+"""A `redis.Redis` or one of its pipelines (redis-py's stubs type their replies loosely)."""
 
-def _groups(r: redis.Redis, stream: str) -> list[dict]:
+
+class Entry(NamedTuple):
+    """One stream entry as read: its stream's name, its id, its fields (None or empty when it
+    was deleted while pending)."""
+
+    stream: str
+    id: bytes
+    fields: Fields | None
+
+
+# ------------------------------------------------------------------ groups and reads
+
+
+def ensure_group(r: Client, stream: str, group: str, start: str = "0") -> bool:
+    """Create consumer group `group` on `stream` (creating the stream too) reading from
+    `start`; True if it was created, False if it already existed."""
+    try:
+        r.xgroup_create(stream, group, id=start, mkstream=True)
+    except redis.exceptions.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+        return False
+    log.debug("created group %s on %s", group, stream)
+    return True
+
+
+def read_group(r: Client, group: str, consumer: str, streams: Mapping[str, str], *,
+               count: int | None = None, block_ms: int | None = None) -> list[Entry]:
+    """XREADGROUP: from each stream, its entries after the given id (`>`: new ones; `0`: this
+    consumer's pending ones), in the order the server returns them."""
+    reply = r.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms)
+    return [Entry(text(stream), entry_id, fields)
+            for stream, entries in reply or [] for entry_id, fields in entries]
+
+
+def read(r: Client, streams: Mapping[str, str], *, block_ms: int | None = None) -> list[Entry]:
+    """XREAD (no group: a broadcast every reader sees): each stream's entries after its id."""
+    reply = r.xread(dict(streams), block=block_ms)
+    return [Entry(text(stream), entry_id, fields)
+            for stream, entries in reply or [] for entry_id, fields in entries]
+
+
+def entries(r: Client, stream: str, start: str = "-", end: str = "+", *,
+            count: int | None = None) -> list[tuple[bytes, Fields]]:
+    """XRANGE: the entries of `stream` from `start` to `end` (inclusive; `(id` excludes)."""
+    return r.xrange(stream, min=start, max=end, count=count)
+
+
+def newest(r: Client, stream: str) -> tuple[bytes, Fields] | None:
+    """The newest entry of `stream`, or None when it has none."""
+    last = r.xrevrange(stream, count=1)
+    return (last[0][0], last[0][1]) if last else None
+
+
+# ------------------------------------------------------------------ writes
+
+
+def append(r: Client, stream: str, fields: Mapping[bytes | str, Any]) -> Any:
+    """XADD `fields` to `stream` (its id, or the pipeline when `r` is one)."""
+    return r.xadd(stream, dict(fields))
+
+
+def ack(r: Client, stream: str, group: str, *ids: bytes | str) -> Any:
+    """XACK `ids` of `stream` in `group` (nothing sent when there are none)."""
+    return r.xack(stream, group, *ids) if ids else 0
+
+
+def dead_letter(r: Client, dead: str, stream: str, entry_id: bytes, reason: str,
+                fields: Mapping) -> Any:
+    """Append the entry `entry_id` of `stream`, with `reason`, to the dead-letter stream
+    `dead` (the caller acknowledges it in the same transaction)."""
+    return r.xadd(dead, wire.dead_letter_fields(stream, entry_id, reason, fields))
+
+
+def _as_bytes(value: bytes | str | int | float) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def append_once(r: Client, stream: str, fields: dict, *, what: str, total_s: float,
+                sleep: Callable[[float], None] = time.sleep, stop: threading.Event | None = None) -> bytes:
+    """XADD `fields` to `stream` exactly once, riding out an outage of up to `total_s`.
+
+    A connection error can leave it unknown whether the entry was appended (the reply was
+    lost). Before appending again, the stream's newest entry is compared with `fields`: equal,
+    it was appended. This is exact for a stream with a single writer whose consecutive
+    entries differ (a shard's task stream, written by its trainer; the weights stream,
+    written by rank 0). Set, `stop` ends a wait for Redis with `Interrupted`."""
+    want = {_as_bytes(k): _as_bytes(v) for k, v in fields.items()}
+    outage = Outage(what, total_s, stop=stop)
+    unsure = False
+    while True:
+        try:
+            if unsure:
+                last = newest(r, stream)
+                if last and {_as_bytes(k): _as_bytes(v) for k, v in (last[1] or {}).items()} == want:
+                    outage.ended()
+                    return last[0]
+            entry_id = r.xadd(stream, fields)
+        except FATAL:
+            raise
+        except RETRYABLE as exc:
+            unsure = True
+            outage.pause(exc, sleep)
+            continue
+        outage.ended()
+        return entry_id
+
+
+# ------------------------------------------------------------------ claims and pending
+
+
+def claim(r: Client, stream: str, group: str, consumer: str, min_idle_ms: int,
+          ids: Sequence[bytes]) -> list[bytes]:
+    """XCLAIM (JUSTID): the ids of `ids` idle at least `min_idle_ms` now owned by `consumer`."""
+    return r.xclaim(stream, group, consumer, min_idle_ms, list(ids), justid=True)
+
+
+def pending(r: Client, stream: str, group: str, *, start: str | bytes = "-", end: str | bytes = "+",
+            count: int, consumer: str | None = None, idle_ms: int | None = None) -> Any:
+    """XPENDING's extended form: up to `count` pending entries between `start` and `end`
+    (optionally of one consumer, idle at least `idle_ms`), each with its owner and idle time."""
+    return r.xpending_range(stream, group, min=start, max=end, count=count,
+                            consumername=consumer, idle=idle_ms)
+
+
+# ------------------------------------------------------------------ trimming
+
+
+def _groups(r: Client, stream: str) -> list[dict]:
     try:
         return r.xinfo_groups(stream)
     except redis.exceptions.ResponseError as exc:
@@ -27,7 +170,7 @@ def _groups(r: redis.Redis, stream: str) -> list[dict]:
         raise
 
 
-def safe_minid(r: redis.Redis, stream: str) -> str | None:
+def safe_minid(r: Client, stream: str) -> str | None:
     """The lowest id any group of `stream` still needs, or None (no group: do not trim)."""
     bounds = []
     for info in _groups(r, stream):
@@ -41,7 +184,7 @@ def safe_minid(r: redis.Redis, stream: str) -> str | None:
     return min(bounds, key=parse_id) if bounds else None
 
 
-def trim_acknowledged(r: redis.Redis, stream: str, *, keep_last: bool = False,
+def trim_acknowledged(r: Client, stream: str, *, keep_last: bool = False,
                       keep_from: str | None = None) -> int:
     """Trim `stream` below `safe_minid`; with `keep_last`, never its newest entry (a reader
     joining later learns the current value from it); with `keep_from`, no entry from that id
@@ -52,25 +195,25 @@ def trim_acknowledged(r: redis.Redis, stream: str, *, keep_last: bool = False,
     if keep_from is not None:
         bound = min(bound, keep_from, key=parse_id)
     if keep_last:
-        last = r.xrevrange(stream, count=1)
+        last = newest(r, stream)
         if last:
-            bound = min(bound, text(last[0][0]), key=parse_id)
+            bound = min(bound, text(last[0]), key=parse_id)
     removed = r.xtrim(stream, minid=bound, approximate=False)
     if removed:
         log.debug("trimmed %d entries of %s below %s", removed, stream, bound)
     return removed
 
 
-def trim_by_age(r: redis.Redis, stream: str, retention_s: float) -> int:
+def trim_by_age(r: Client, stream: str, retention_s: float) -> int:
     """Trim entries older than `retention_s` before the stream's newest entry (ids are the
     server's clock, so no client clock enters the bound)."""
-    last = r.xrevrange(stream, count=1)
+    last = newest(r, stream)
     if not last:
         return 0
-    ms, _ = parse_id(last[0][0])
+    ms, _ = parse_id(last[0])
     return r.xtrim(stream, minid=f"{max(0, ms - int(retention_s * 1000))}-0", approximate=False)
 
 
-def trim_length(r: redis.Redis, stream: str, maxlen: int) -> int:
+def trim_length(r: Client, stream: str, maxlen: int) -> int:
     """Keep about the newest `maxlen` entries (for streams nobody acknowledges)."""
     return r.xtrim(stream, maxlen=maxlen, approximate=True)

@@ -13,7 +13,7 @@ stream (rank 0 does, after the pool agreed on the push).
 A Redis outage (a restart, a dropped connection) is ridden out for up to `reconnect_s`
 seconds: reads are retried (the trainer's pending ready entry is read again), and an append
 whose reply was lost is checked against the stream's newest entry before it is sent again
-(`redis_io.append_once`: this writer is its streams' only writer), so nothing is appended
+(`streams.append_once`: this writer is its streams' only writer), so nothing is appended
 twice. Past `reconnect_s`, `RedisUnavailable` propagates and the trainer resumes from its
 checkpoint in a new epoch. Given the process's `stop` event, a wait for Redis ends with
 `redis_io.Interrupted` as soon as it is set (SIGTERM during an outage).
@@ -33,7 +33,8 @@ from pipeline import wire
 from pipeline.config import SchedulerConfig, build, scheduler_differences
 from pipeline.errors import ConfigError
 from pipeline.keys import STATE_CONFIG, TRAINER_GROUP, Keys
-from pipeline.redis_io import append_once, ensure_group, ride_out, text
+from pipeline.redis_io import ride_out, text
+from pipeline.streams import ack, append_once, dead_letter, ensure_group, newest, read_group
 from pipeline.sessions import Task
 
 log = logging.getLogger(__name__)
@@ -103,9 +104,8 @@ class TaskWriter:
 
     def last_weights_version(self) -> int | None:
         """The version of the newest entry of the weights stream (None: nothing announced)."""
-        for _, fields in self.ride(lambda: self.r.xrevrange(self.keys.weights, count=1), "reading weights"):
-            return wire.from_fields(fields, wire.Weights).version
-        return None
+        last = self.ride(lambda: newest(self.r, self.keys.weights), "reading weights")
+        return None if last is None else wire.from_fields(last[1], wire.Weights).version
 
     def _append(self, msg: wire.Message) -> bytes:
         return self._xadd(self.keys.tasks(self.shard), msg)
@@ -141,7 +141,7 @@ class TaskWriter:
             if (ready.epoch, ready.step) > (epoch, step):
                 raise RuntimeError(f"ready for epoch {ready.epoch} step {ready.step} while "
                                    f"waiting for epoch {epoch} step {step}")
-            self.ride(lambda: self.r.xack(stream, TRAINER_GROUP, entry_id), "acknowledging")  # noqa: B023 (called within this iteration)
+            self.ride(lambda: ack(self.r, stream, TRAINER_GROUP, entry_id), "acknowledging")  # noqa: B023 (called within this iteration)
             if (ready.epoch, ready.step) < (epoch, step):
                 log.info("skipping ready of epoch %d step %d", ready.epoch, ready.step)
                 continue
@@ -158,18 +158,17 @@ class TaskWriter:
                     if left_ms <= 0:
                         return None
                     block = max(1, min(block, left_ms))
-                reply = self.ride(lambda: self.r.xreadgroup(TRAINER_GROUP, self.name, {stream: start},  # noqa: B023 (called within this iteration)
-                                                             count=1, block=block), "reading ready")  # noqa: B023 (called within this iteration)
-                for _, items in reply or []:
-                    for entry_id, fields in items:
-                        if fields:
-                            return entry_id, fields
-                        self.ride(lambda: self.r.xack(stream, TRAINER_GROUP, entry_id),  # noqa: B023
-                                   "acknowledging")  # deleted while pending
+                read = self.ride(lambda: read_group(self.r, TRAINER_GROUP, self.name, {stream: start},  # noqa: B023 (called within this iteration)
+                                                    count=1, block_ms=block), "reading ready")  # noqa: B023 (called within this iteration)
+                for _, entry_id, fields in read:
+                    if fields:
+                        return entry_id, fields
+                    self.ride(lambda: ack(self.r, stream, TRAINER_GROUP, entry_id),  # noqa: B023
+                              "acknowledging")  # deleted while pending
 
     def _dead_letter(self, stream: str, entry_id: bytes, fields: dict, reason: str) -> None:
         log.warning("dead-lettered %s %s: %s", stream, text(entry_id), reason)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, wire.dead_letter_fields(stream, entry_id, reason, fields))
-        pipe.xack(stream, TRAINER_GROUP, entry_id)
+        dead_letter(pipe, self.keys.dead, stream, entry_id, reason, fields)
+        ack(pipe, stream, TRAINER_GROUP, entry_id)
         pipe.execute()

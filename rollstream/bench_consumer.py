@@ -31,7 +31,8 @@ from pipeline import wire
 from rollstream.bench_admission import raw_floor
 from pipeline.config import ConsumerConfig, RedisConfig, build
 from pipeline.keys import WORK_GROUP, Keys
-from pipeline.redis_io import connect, delete_namespace, embedded, ensure_group
+from pipeline.redis_io import connect, delete_namespace, embedded
+from pipeline.streams import ensure_group
 from pipeline.sessions import Call, Session, Status, Task
 
 

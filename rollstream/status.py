@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from pipeline import wire
+from pipeline import streams, wire
 from pipeline.keys import Keys
 from pipeline.redis_io import text
 
@@ -38,7 +38,7 @@ def _lag(r: redis.Redis, stream: str, group: dict) -> int:
     if group.get("lag") is not None:
         return group["lag"]
     last = text(group["last-delivered-id"])
-    return len(r.xrange(stream, min=f"({last}", max="+", count=LAG_SCAN))
+    return len(streams.entries(r, stream, f"({last}", count=LAG_SCAN))
 
 
 def _groups(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
@@ -55,9 +55,10 @@ def _groups(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
 
 
 def _published(r: redis.Redis, keys: Keys) -> int | None:
-    for _, fields in r.xrevrange(keys.weights, count=1):
+    last = streams.newest(r, keys.weights)
+    if last is not None:
         try:
-            return wire.from_fields(fields, wire.Weights).version
+            return wire.from_fields(last[1], wire.Weights).version
         except wire.SchemaError:
             return None
     return None

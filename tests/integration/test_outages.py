@@ -143,7 +143,7 @@ def test_work_read_just_before_an_outage_is_started_after_it(redis_config, r):
     from consumers.rollout import RolloutConsumer
     from pipeline import wire
     from pipeline.config import ConsumerConfig
-    from pipeline.redis_io import ensure_group
+    from pipeline.streams import ensure_group
     from pipeline.sessions import Task
 
     keys = Keys(redis_config.namespace)

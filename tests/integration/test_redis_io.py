@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.redis_io import ensure_group
+from pipeline.streams import ensure_group
 
 
 @pytest.mark.timeout(30)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from consumers import trimming
+from pipeline import streams as trimming
 from consumers.sources.scripted import ScriptedSource
 from tests.integration.helpers import Trainer
 

@@ -5,7 +5,8 @@ import fakeredis
 import pytest
 import redis
 
-from pipeline.redis_io import RedisUnavailable, append_once, ride_out
+from pipeline.redis_io import RedisUnavailable, ride_out
+from pipeline.streams import append_once
 
 
 class Flaky:

@@ -55,7 +55,7 @@ def test_the_plot_is_a_png_of_every_policy(tmp_path):
 
 
 def test_slot_accounting_splits_trained_wasted_and_pending_work():
-    from pipeline.simulate import Span, slot_accounting
+    from rollstream.simulate import Span, slot_accounting
 
     spans = [
         Span(0, 0, 0, 2.0, 2.0, True),   # trained

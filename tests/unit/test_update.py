@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from trainer.loop import combine, update
-from trainer.model import TinyConfig, TinyTransformer
+from domain.model import TinyConfig, TinyTransformer
 from trainer.objective import GRPOObjective, Rows
 
 V = 6  # vocabulary
@@ -169,7 +169,7 @@ def test_combine_counts_each_row_once_and_weights_by_tokens():
 
 def test_the_run_config_refuses_more_minibatches_than_rows():
     from pipeline.config import ConfigError, build
-    from trainer.config import RunConfig
+    from trainer.run_config import RunConfig
 
     assert build(RunConfig, {"trainer": {"minibatches": 2, "epochs": 3}}).trainer.epochs == 3
     with pytest.raises(ConfigError, match="minibatches"):

@@ -184,9 +184,16 @@ def _quiet_handshake() -> dict[str, Any]:
 _QUIET_HANDSHAKE = _quiet_handshake()
 
 
+MAX_CONNECTIONS = 10_000
+"""A client's pool: a connection per command in flight. A rollout consumer's sessions share its
+client (one connection per busy slot), and redis-py 8's default pool of 100 fails the 101st
+concurrent command with MaxConnectionsError."""
+
+
 def connect(config: RedisConfig, **overrides) -> redis.Redis:
     """A client for `config.url` (bytes replies, no automatic retries)."""
     kwargs = {
+        "max_connections": MAX_CONNECTIONS,
         "username": config.user,
         "password": config.password(),
         "socket_timeout": config.socket_timeout_s,

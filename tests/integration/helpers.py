@@ -80,3 +80,12 @@ def resubmitted(readies: Sequence[wire.Ready]) -> Counter:
 
 def entries(r, stream: str) -> list[tuple[bytes, dict]]:
     return r.xrange(stream)
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    """Poll `predicate` until it holds; fail naming `what` after `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

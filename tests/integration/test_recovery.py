@@ -17,17 +17,9 @@ from pipeline.config import AdmissionConfig
 from pipeline.keys import WORK_GROUP
 from pipeline.redis_io import connect
 from pipeline.sessions import Task
-from tests.integration.helpers import Trainer, admitted_tasks, resubmitted
+from tests.integration.helpers import Trainer, admitted_tasks, resubmitted, wait_until
 
 SCHEDULER = {"groups": 2, "rows": 8, "width": 64}
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def pending_of(r, keys, consumer: str) -> int:

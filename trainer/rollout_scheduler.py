@@ -121,6 +121,9 @@ class RolloutScheduler:
         batch_size: int | None = None,
         inflight_samples: int | None = None,
         backfill: str = "sample",
+        oversample_start: str = "group",
+        supply: int | None = None,
+        stale_running: str = "cancel",
         redis: str | RedisConfig | None = None,
         shard: int = 0,
         namespace: str | None = None,
@@ -137,7 +140,8 @@ class RolloutScheduler:
             sync_every=sync_every, max_attempts=max_attempts, timeout_s=timeout,
             estimator=estimator, truncation=truncation, support_capacity=support_capacity,
             admission=admission, width=width, rows=rows, batch_size=batch_size,
-            inflight_samples=inflight_samples, backfill=backfill))
+            inflight_samples=inflight_samples, backfill=backfill, oversample_start=oversample_start,
+            supply=supply, stale_running=stale_running))
         if redis is not None and source is not None:
             logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
         if redis is None and source is None:

@@ -101,3 +101,15 @@ def test_an_engine_publisher_is_built_from_the_publisher_section(tmp_path):
     assert isinstance(publisher, SGLangPublisher) and not isinstance(publisher, VLLMPublisher)
     assert (publisher.engines, publisher.gateways, publisher.retries, publisher.keep) == (
         ["http://s:30000"], ["http://gw:8000"], 1, 3)
+
+
+def test_the_rollout_scheduler_takes_every_scheduler_field_the_trainer_passes():
+    """`rollstream trainer` passes its whole scheduler section (but `timeout_s`, as `timeout`)
+    to `RolloutScheduler`: a field it does not take stops every trainer at start."""
+    import inspect
+
+    from pipeline.config import SchedulerConfig
+    from trainer.rollout_scheduler import RolloutScheduler
+
+    taken = set(inspect.signature(RolloutScheduler.__init__).parameters)
+    assert set(SchedulerConfig.model_fields) - {"timeout_s"} <= taken

@@ -103,6 +103,41 @@ def capped_lognormal_mean(median: float, sigma: float, cap: float) -> float:
     return math.exp(mu + sigma * sigma / 2) * phi(z - sigma) + c * (1.0 - phi(z))
 
 
+def least_waste_share(workload: dict, lag: int, share: float) -> dict:
+    """The least waste share of any policy training `share` of the capacity bound at
+    `max_lag` `lag` on `workload`'s sessions when a rollout's staleness counts from its start
+    (its first call comes at once, as an agent's; `stale_running: cancel`), with the
+    trainer's pushes evenly spaced.
+
+    A step trains `groups * batch_size` samples, so at `share` the pushes come every
+    P = groups * batch_size / (share * capacity) seconds, and a session started right after
+    a push must end within W = lag * P to be trained (later starts have less). A policy
+    that does not know a session's length before it ends can only give it up at some age
+    a <= W (running it past W trains nothing): it wastes a * S(a) slot-seconds per attempt
+    (S: the share of sessions longer than a) against E[min(d, a)] busy, trains the sessions
+    shorter than a, and the least waste share is the minimum of a * S(a) / E[min(d, a)]
+    over a in (0, W]. Every session is given the best start, so the bound is loose for
+    anything that starts sessions between pushes."""
+    median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
+    mean = capped_lognormal_mean(median, sigma, cap)
+    push_s = workload["groups"] * workload["batch_size"] * mean / (share * workload["slots"])
+    window = lag * push_s
+
+    def longer(a: float) -> float:
+        if a >= cap * median or sigma == 0:
+            return float(a < median)
+        return 0.5 * math.erfc((math.log(a / median)) / (sigma * math.sqrt(2.0)))
+
+    def busy(a: float) -> float:  # E[min(d, a)]
+        return capped_lognormal_mean(median, sigma, min(a, cap * median) / median)
+
+    waste, age = min((a * longer(a) / busy(a), a) for a in (window * k / 256 for k in range(1, 257)))
+    trained_mean = (busy(age) - age * longer(age)) / (1.0 - longer(age))
+    return {"share": share, "push_interval_s": round(push_s, 4), "window_s": round(window, 4),
+            "longer_than_window": round(longer(window), 4), "give_up_at_s": round(age, 4),
+            "waste_share": round(waste, 4), "trained_length_vs_workload": round(trained_mean / mean, 4)}
+
+
 def _wait_up(r, keys: Keys, procs: list[Process], consumers: int, timeout_s: float = 60.0) -> None:
     """Until the admission consumer recorded its config and every consumer its heartbeat."""
     deadline = time.monotonic() + timeout_s
@@ -354,7 +389,11 @@ def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
     processes, a virtual clock): what the policies do without the pipeline's costs."""
     points = {str(lag): {name: simulate_policy(name, _at_lag(workload, lag)) for name in policies}
               for lag in lags}
-    return {"workload": _frontier_workload(workload, "simulated", 1, lags), "frontier": points}
+    out = {"workload": _frontier_workload(workload, "simulated", 1, lags), "frontier": points}
+    if "batch" in policies:  # the least waste at batch's share when staleness counts from the start
+        out["bound"] = {str(lag): least_waste_share(workload, lag, points[str(lag)]["batch"]["capacity_share"])
+                        for lag in lags}
+    return out
 
 
 def simulate_policy(name: str, workload: dict) -> dict:
@@ -396,6 +435,11 @@ def format_frontier(result: dict) -> str:
             cells.append(f"{pr['capacity_share']:.3f} / {pr['waste_share']:.3f} "
                          f"({'-' if bias is None else f'{bias:.2f}'})")
         lines.append(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
+    if "bound" in result:  # simulate --frontier with batch
+        cells = [f"{b['waste_share']:.3f} ({b['trained_length_vs_workload']:.2f})"
+                 for b in result["bound"].values()]
+        lines.append("least waste share at batch's share, staleness from the start (trained length):")
+        lines.append(f"{'bound':8s} " + " ".join(f"{c:>22s}" for c in cells))
     return "\n".join(lines)
 
 

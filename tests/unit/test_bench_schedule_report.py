@@ -97,3 +97,37 @@ def test_the_simulated_frontier_has_every_policy_at_every_lag_with_every_field(t
     path = tmp_path / "frontier.png"
     bench_schedule.plot_frontier(out, path, simulated=out)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_least_waste_bound_matches_giving_up_at_the_window_on_sampled_sessions():
+    import math
+    import random
+
+    w = bench_schedule.workload_for(False, median_ms=1000.0)
+    out = bench_schedule.least_waste_share(w, 1, 0.584)
+    mean = bench_schedule.capped_lognormal_mean(1.0, 1.0, 20.0)
+    assert out["push_interval_s"] == pytest.approx(256 * mean / (0.584 * 256), rel=1e-3)
+    assert out["window_s"] == out["push_interval_s"] and out["give_up_at_s"] == out["window_s"]
+    rng, a = random.Random(0), out["window_s"]
+    lengths = [min(rng.lognormvariate(0.0, 1.0), 20.0) for _ in range(200_000)]
+    wasted = sum(a for d in lengths if d > a)
+    busy = sum(min(d, a) for d in lengths)
+    assert out["waste_share"] == pytest.approx(wasted / busy, abs=0.005)
+    trained = [d for d in lengths if d <= a]
+    assert out["trained_length_vs_workload"] == pytest.approx(sum(trained) / len(trained) / mean, abs=0.01)
+    # a longer bound leaves less to waste; past the longest session nothing
+    wider = bench_schedule.least_waste_share(w, 2, 0.584)
+    assert wider["window_s"] == pytest.approx(2 * a, rel=1e-3) and wider["waste_share"] < out["waste_share"]
+    assert bench_schedule.least_waste_share(w, 100, 0.584)["waste_share"] == 0.0
+    assert math.isclose(out["longer_than_window"], sum(d > a for d in lengths) / len(lengths), abs_tol=0.005)
+
+
+def test_the_simulated_frontier_reports_the_bound_at_batchs_share():
+    w = bench_schedule.workload_for(True, steps=3, slots=16, procs=1, batch_size=4, groups=2,
+                                    median_ms=5.0, train_ms=1.0)
+    out = bench_schedule.simulate_frontier(w, ("batch", "stream"))
+    for lag, bound in out["bound"].items():
+        assert bound["share"] == out["frontier"][lag]["batch"]["capacity_share"]
+        assert 0 <= bound["waste_share"] < 1
+    assert "bound" in bench_schedule.format_frontier(out)
+    assert "bound" not in bench_schedule.simulate_frontier(w, ("stream",))

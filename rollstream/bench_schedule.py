@@ -117,7 +117,9 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
     (S: the share of sessions longer than a) against E[min(d, a)] busy, trains the sessions
     shorter than a, and the least waste share is the minimum of a * S(a) / E[min(d, a)]
     over a in (0, W]. Every session is given the best start, so the bound is loose for
-    anything that starts sessions between pushes."""
+    anything that starts sessions between pushes. It binds a policy whose trainer steps at a
+    steady rate (`stream`), not one that times its pushes by its sessions: `batch` starts a
+    step's sessions together and its push waits for the groups it needs, idling slots."""
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
     push_s = workload["groups"] * workload["batch_size"] * mean / (share * workload["slots"])
@@ -390,7 +392,7 @@ def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
     points = {str(lag): {name: simulate_policy(name, _at_lag(workload, lag)) for name in policies}
               for lag in lags}
     out = {"workload": _frontier_workload(workload, "simulated", 1, lags), "frontier": points}
-    if "batch" in policies:  # the least waste at batch's share when staleness counts from the start
+    if "batch" in policies:  # the least waste at batch's share: staleness from the start, steady pushes
         out["bound"] = {str(lag): least_waste_share(workload, lag, points[str(lag)]["batch"]["capacity_share"])
                         for lag in lags}
     return out
@@ -438,7 +440,8 @@ def format_frontier(result: dict) -> str:
     if "bound" in result:  # simulate --frontier with batch
         cells = [f"{b['waste_share']:.3f} ({b['trained_length_vs_workload']:.2f})"
                  for b in result["bound"].values()]
-        lines.append("least waste share at batch's share, staleness from the start (trained length):")
+        lines.append("least waste share at batch's share, staleness from the start, "
+                     "steady pushes (trained length):")
         lines.append(f"{'bound':8s} " + " ".join(f"{c:>22s}" for c in cells))
     return "\n".join(lines)
 

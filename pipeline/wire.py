@@ -21,13 +21,16 @@ the dead-letter stream (`dead_letter_fields`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import msgpack
+import msgspec
 import numpy as np
 
 from pipeline.chains import (
@@ -65,6 +68,17 @@ def _tn(v: object) -> str:
 
 # ---------------------------------------------------------------- field checkers
 # Each takes (wire value, dotted path) and returns the Python value, or raises SchemaError.
+# A checker whose refusals a msgspec type expresses exactly carries that type in `_TYPES`
+# (and so do `_opt` and `_map` of one): decoding checks those fields in C (`_compiled`).
+
+_TYPES: dict[Callable[[Any, str], Any], Any] = {}
+_MAX_FLOAT = sys.float_info.max
+
+
+def _typed(check: Callable[[Any, str], Any], wire_type: Any) -> Callable[[Any, str], Any]:
+    """`check`, registered as accepting exactly what msgspec's `wire_type` accepts."""
+    _TYPES[check] = wire_type
+    return check
 
 
 def _int(v: Any, path: str, nonneg: bool = True) -> int:
@@ -100,7 +114,8 @@ def _str(v: Any, path: str, nonempty: bool = False) -> str:
 
 
 def _opt(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda v, path: None if v is None else check(v, path)
+    opt = lambda v, path: None if v is None else check(v, path)  # noqa: E731
+    return _typed(opt, Optional[_TYPES[check]]) if check in _TYPES else opt
 
 
 def _choice(values: tuple[str, ...], convert: Callable[[str], Any] = str) -> Callable[[Any, str], Any]:
@@ -108,7 +123,10 @@ def _choice(values: tuple[str, ...], convert: Callable[[str], Any] = str) -> Cal
         if not isinstance(v, str) or v not in values:
             raise SchemaError(path, f"must be one of {', '.join(values)}, got {v!r}")
         return convert(v)
-    return check
+    enum_type = isinstance(convert, type) and issubclass(convert, enum.Enum)
+    if enum_type and {e.value for e in convert} != set(values):
+        raise TypeError(f"{convert.__name__} is not the choice of {values}")
+    return _typed(check, convert if enum_type else Literal[values])
 
 
 def _map(check: Callable[[Any, str], Any]) -> Callable[[Any, str], dict]:
@@ -119,7 +137,7 @@ def _map(check: Callable[[Any, str], Any]) -> Callable[[Any, str], dict]:
         if not all(isinstance(key, str) for key in v):
             raise SchemaError(path, "map keys must be str")
         return {key: check(value, f"{path}.{key}") for key, value in v.items()}
-    return check_map
+    return _typed(check_map, dict[str, _TYPES[check]]) if check in _TYPES else check_map
 
 
 def _seq(check: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple]:
@@ -333,6 +351,11 @@ def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
 
 _nonneg_float = partial(_float, nonneg=True)
 _nonempty_str = partial(_str, nonempty=True)
+_typed(_int, Annotated[int, msgspec.Meta(ge=0, le=_INT64 - 1)])
+_typed(_float, Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)])  # refuses NaN too
+_typed(_nonneg_float, Annotated[float, msgspec.Meta(ge=0, le=_MAX_FLOAT)])
+_typed(_str, str)
+_typed(_nonempty_str, Annotated[str, msgspec.Meta(min_length=1)])
 _STATUSES = tuple(s.value for s in Status)
 
 # ---------------------------------------------------------------- messages
@@ -567,6 +590,49 @@ class Record(_ShardMessage):
                                           if name not in ("shard", "epoch", "step")})
 
 
+# ---------------------------------------------------------------- the compiled schema
+# One msgspec struct per kind, derived from its SPEC (there is no second list of fields):
+# a field whose checker has a type (`_TYPES`) is checked in C as the message decodes; the
+# others (chains, a step's arrays and record, tasks, free-form maps) decode as plain values
+# and then go through their checker. Whatever the structs refuse is parsed again by
+# `_parse`, which names the field and the reason; so the compiled path only ever accepts
+# what `_parse` accepts, with the same values (tests/unit/test_wire_compiled.py compares
+# the two on valid and damaged messages), and every refusal reads as it always did.
+
+
+def _compile(cls: type[Message]) -> type[msgspec.Struct]:
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    fields: list[tuple] = [("v", Literal[SCHEMA_VERSION])]
+    for name, check in cls.SPEC.items():
+        wire_type = _TYPES.get(check, Any)
+        if name not in cls.ADDED:
+            fields.append((name, wire_type))
+        elif defaults[name] is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{name}: a field added within a version needs a default")
+        else:
+            fields.append((name, wire_type, defaults[name]))
+    return msgspec.defstruct(f"{cls.__name__}Wire", fields, kw_only=True, tag_field="k", tag=cls.KIND,
+                             forbid_unknown_fields=True)
+
+
+_COMPILED = {_compile(cls): cls for cls in _KINDS.values()}
+_UNCOMPILED = {cls: tuple((name, check) for name, check in cls.SPEC.items() if check not in _TYPES)
+               for cls in _KINDS.values()}
+_ANY_KIND = Union[tuple(_COMPILED)]  # tagged by "k"
+_DECODER = msgspec.msgpack.Decoder(_ANY_KIND)
+_REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs or a checker
+
+
+def _compiled(struct: msgspec.Struct) -> Message:
+    """The message of a struct `_DECODER` accepted, its remaining fields checked."""
+    cls = _COMPILED[type(struct)]
+    values = msgspec.structs.asdict(struct)
+    del values["v"]
+    for name, check in _UNCOMPILED[cls]:
+        values[name] = check(values[name], name)
+    return cls(**values)
+
+
 # ---------------------------------------------------------------- codec
 
 
@@ -634,6 +700,14 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
     return cls(**values)
 
 
+def _check(wire: dict) -> None:
+    """Refuse what `decode` would refuse of `wire` (a message's wire form), by its message."""
+    try:
+        _compiled(msgspec.convert(wire, _ANY_KIND, strict=True))
+    except _REFUSED:
+        _parse(wire)  # raises the SchemaError naming the field
+
+
 def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = False) -> bytes:
     """The msgpack bytes of `msg`, after the checks `decode` will make (SchemaError if not).
 
@@ -648,7 +722,7 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
                         f"not {msg.KIND}")
     wire = _wire(msg)
     if not trusted:
-        _parse(wire)
+        _check(wire)
     try:
         data = msgpack.packb(wire, use_bin_type=True)
     except Exception as exc:  # noqa: BLE001 (a str that is not UTF-8, and the like)
@@ -665,6 +739,17 @@ def decode(data: bytes, expect: type | tuple[type, ...] | None = None, *,
         raise SchemaError("message", f"expected bytes, got {_tn(data)}")
     if len(data) > max_bytes:
         raise SchemaError("message", f"{len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        msg = _compiled(_DECODER.decode(data))
+        if expect is None or isinstance(msg, expect):
+            return msg
+    except _REFUSED:
+        pass  # parsed again, for the field and reason of the refusal
+    return _parsed(data, expect, max_bytes)
+
+
+def _parsed(data: bytes, expect: type | tuple[type, ...] | None, max_bytes: int) -> Message:
+    """`decode` field by field in Python: what names the field of a refusal."""
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=max_bytes,
                               max_bin_len=max_bytes, max_array_len=len(data),

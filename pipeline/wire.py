@@ -218,7 +218,12 @@ _CHAIN_DTYPES = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tok
 
 
 def _chains(v: Any, path: str) -> tuple[Chain, ...]:
-    """Chains from their wire arrays (above), every length and value checked.
+    """Chains from their wire arrays (above), every length and value checked (`_chain_parts`)."""
+    return _expand_chains(*_chain_parts(v, path))
+
+
+def _chain_parts(v: Any, path: str) -> tuple:
+    """The checked pieces of chains' wire arrays (what `encode` checks, expanding nothing).
 
     The per-chain arrays (a handful of entries) are checked as Python lists, the per-token
     ones with one numpy reduction per check: a result decodes in a few dozen numpy calls
@@ -268,6 +273,18 @@ def _chains(v: Any, path: str) -> tuple[Chain, ...]:
     if support is not None and (support.ndim != 2 or support.shape[0] != n_loss):
         raise SchemaError(f"{where}.shape", f"must be [{n_loss}, k] (a row per loss token), got "
                           f"{list(support.shape)}")
+    if support is not None and total * support.shape[1] > MAX_MESSAGE_BYTES:  # expanded to every token
+        raise SchemaError(f"{where}.shape", f"[{total}, {support.shape[1]}] once expanded to every "
+                          f"token is more than {MAX_MESSAGE_BYTES} entries")
+    return tokens, lengths, calls, call_tokens, loss, logprobs, versions, runs, support
+
+
+def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], call_tokens: list[int],
+                   loss: np.ndarray, logprobs: np.ndarray, versions: list[int], runs: list[int],
+                   support: np.ndarray | None) -> tuple[Chain, ...]:
+    """Chains from their checked wire pieces: log-probs, versions and support put back on
+    every token (0, -1 and -1 off the loss tokens)."""
+    total = len(tokens)
     full_logprobs = np.zeros(total, LOGPROB_DTYPE)
     full_logprobs[loss] = logprobs
     if len(versions) == 1:  # one version served every loss token (a single call, usually)
@@ -277,9 +294,6 @@ def _chains(v: Any, path: str) -> tuple[Chain, ...]:
         full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
     full_support = None
     if support is not None:
-        if total * support.shape[1] > MAX_MESSAGE_BYTES:  # expanded to every token, not only the loss ones
-            raise SchemaError(f"{where}.shape", f"[{total}, {support.shape[1]}] once expanded to every "
-                              f"token is more than {MAX_MESSAGE_BYTES} entries")
         full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
         full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
@@ -310,17 +324,23 @@ def _chains_wire(chains: Any) -> Any:
         return _wire(chains)
     arrays = chains_to_arrays(chains)
     loss = arrays["loss_mask"]
+    off_loss = ~loss
     off = {"logprobs": 0, "versions": NO_VERSION, "support": -1}
     for name, value in off.items():  # what the wire leaves out must be what decoding puts back
-        if name in arrays and (arrays[name][~loss] != value).any():
+        if name in arrays and (arrays[name][off_loss] != value).any():
             raise SchemaError(f"chains.{name}", f"must be {value} off loss tokens")
     versions = arrays["versions"][loss]
-    change = np.ones(len(versions), dtype=bool)  # where a run of one version begins
-    change[1:] = versions[1:] != versions[:-1]
-    starts = np.flatnonzero(change)
+    if versions.size and versions[0] == versions[-1] and (versions == versions[0]).all():
+        runs = np.array([len(versions)])  # one version served every loss token (usually)
+        versions = versions[:1]
+    else:
+        change = np.ones(len(versions), dtype=bool)  # where a run of one version begins
+        change[1:] = versions[1:] != versions[:-1]
+        starts = np.flatnonzero(change)
+        runs = np.diff(starts, append=len(versions))
+        versions = versions[starts]
     arrays = {**arrays, "loss_mask": np.packbits(loss, bitorder="little"),
-              "logprobs": arrays["logprobs"][loss], "versions": versions[starts],
-              "version_runs": np.diff(starts, append=len(versions))}
+              "logprobs": arrays["logprobs"][loss], "versions": versions, "version_runs": runs}
     out: dict[str, Any] = {name: np.ascontiguousarray(arrays[name], dtype).tobytes()
                            for name, dtype in _CHAIN_DTYPES.items()}
     support = arrays.get("support")
@@ -700,10 +720,16 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
     return cls(**values)
 
 
+_CHECK_ONLY = {_chains: _chain_parts}  # what `_check` runs in place of a checker that builds
+
+
 def _check(wire: dict) -> None:
-    """Refuse what `decode` would refuse of `wire` (a message's wire form), by its message."""
+    """Refuse what `decode` would refuse of `wire`, the wire form of a message (so built
+    from valid values: only the checks of its fields are run, not the message's own)."""
     try:
-        _compiled(msgspec.convert(wire, _ANY_KIND, strict=True))
+        struct = msgspec.convert(wire, _ANY_KIND, strict=True)
+        for name, check in _UNCOMPILED[_COMPILED[type(struct)]]:
+            _CHECK_ONLY.get(check, check)(getattr(struct, name), name)
     except _REFUSED:
         _parse(wire)  # raises the SchemaError naming the field
 

@@ -127,13 +127,15 @@ class _Owned:
 
 @dataclass(eq=False)
 class _Publication:
-    """A finished session's result entry (and dead letter), waiting for its commit."""
+    """A finished session's result entry (and dead letter), waiting for its commit; or,
+    with `encode`, what makes them, which the committing thread calls (`fields` None till then)."""
 
     owned: _Owned
-    fields: dict
+    fields: dict | None
     dead: dict | None
     done: bool = False
     error: BaseException | None = None
+    encode: Callable[[], tuple[dict, dict | None]] | None = None
 
 
 class _GroupCommit:
@@ -419,11 +421,12 @@ class RolloutConsumer:
         """Acknowledge, without running, attempts cancelled before they started."""
         if not owned:
             return set()
+        shards = sorted({o.work.shard for o in owned})
         pipe = self.r.pipeline(transaction=False)
-        for o in owned:
-            pipe.zscore(self.keys.cancelled(o.work.shard), _member(o.work))
-        marks = pipe.execute()
-        skipped = {o for o, mark in zip(owned, marks) if mark is not None or o.cancelled.is_set()}
+        for shard in shards:  # one ZMSCORE per shard
+            pipe.zmscore(self.keys.cancelled(shard), [_member(o.work) for o in owned if o.work.shard == shard])
+        marks = dict(zip(shards, (iter(scores) for scores in pipe.execute())))
+        skipped = {o for o in owned if next(marks[o.work.shard]) is not None or o.cancelled.is_set()}
         skipped = {o for o in skipped if o.claim_publication()}
         if skipped:
             self.r.xack(self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
@@ -499,8 +502,11 @@ class RolloutConsumer:
         """Append the result and acknowledge the work entry in one transaction (once)."""
         if not o.claim_publication():
             return
-        fields, dead = self._result_fields(o, session, error)
-        self._publisher.publish(_Publication(o, fields, dead))
+        finished = time.time()
+        # encoded by the thread that commits the batch: one thread at a time encodes, as
+        # many numpy calls release the GIL and sessions encoding at once would contend for it
+        self._publisher.publish(_Publication(o, None, None, encode=lambda: self._result_fields(
+            o, session, error, finished)))
         self.stats[f"results_{session.status.value}"] += 1
         self._release(o)
 
@@ -512,6 +518,10 @@ class RolloutConsumer:
         not, it was acknowledged by that EXEC (or reclaimed by the admission consumer, which
         already finished the attempt), and publishing it again would only append a
         duplicate. (Sessions that end while a commit is in flight share the next one.)"""
+        for p in batch:
+            if p.encode is not None:
+                p.fields, p.dead = p.encode()
+                p.encode = None
         outage = Outage(f"consumer {self.name} publishing {len(batch)} results", self.config.redis.reconnect_s)
         while True:
             try:
@@ -547,12 +557,13 @@ class RolloutConsumer:
                 self.stats["republish_skipped"] += 1
         return kept
 
-    def _result_fields(self, o: _Owned, session: Session, error: str | None) -> tuple[dict, dict | None]:
+    def _result_fields(self, o: _Owned, session: Session, error: str | None,
+                       finished: float) -> tuple[dict, dict | None]:
         """The result entry (the session's calls merged into chains here, so a repeated prompt
         never crosses the network), and a dead letter when the session's data does not encode."""
         w = o.work
         timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started,
-                   "finished": time.time()}
+                   "finished": finished}
         session.timings = {**timings, **dict(session.timings)}
         try:
             result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,

@@ -12,7 +12,9 @@ so far never crosses the network twice. Schema version 2 introduced that; versio
 (which carried the calls) are refused, and dead-lettered, like any other unsupported version.
 
 `decode` refuses anything malformed with a `SchemaError` naming the field (`chains.logprobs`),
-never another exception. `encode` runs the same checks on what it is about to send, so what
+never another exception. Well-formed messages decode through msgspec structs derived from
+each kind's checkers (`_compile`), in C; only what those refuse is parsed again in Python,
+for the field and the reason. `encode` runs the same checks on what it is about to send, so what
 one process encodes every other process decodes. On a Redis stream an entry carries one field,
 `m`, holding the encoded bytes (`to_fields` / `from_fields`); entries that fail to decode go to
 the dead-letter stream (`dead_letter_fields`).

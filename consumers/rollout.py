@@ -61,7 +61,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -125,10 +125,18 @@ class _Owned:
             return True
 
 
+def _held_lock() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
 @dataclass(eq=False)
 class _Publication:
     """A finished session's result entry (and dead letter), waiting for its commit; or,
-    with `encode`, what makes them, which the committing thread calls (`fields` None till then)."""
+    with `encode`, what makes them, which the committing thread calls (`fields` None till then).
+    `wake` is released when the publication is committed (`done`) or its thread is to lead
+    the next commit."""
 
     owned: _Owned
     fields: dict | None
@@ -136,44 +144,54 @@ class _Publication:
     done: bool = False
     error: BaseException | None = None
     encode: Callable[[], tuple[dict, dict | None]] | None = None
+    wake: threading.Lock = field(default_factory=_held_lock)
 
 
 class _GroupCommit:
     """Publications committed in batches: a session thread that finds no commit in flight
     commits every publication queued so far (its own included) in one transaction; the
-    others wait for it, then the next one commits what queued meanwhile. An idle consumer
-    thus commits each result at once, a busy one one transaction per round trip instead
-    of one per session. `publish` returns once its publication is committed; it raises
-    what the commit raised."""
+    others wait, and when a commit ends its thread wakes the publications it committed and
+    hands the next commit, of everything queued meanwhile, to the first of the rest. An
+    idle consumer thus commits each result at once, a busy one one transaction per round
+    trip instead of one per session; only the threads whose turn it is wake. `publish`
+    returns once its publication is committed; it raises what the commit raised."""
 
     def __init__(self, commit: Callable[[Sequence[_Publication]], None]) -> None:
         self._commit = commit
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: list[_Publication] = []
         self._busy = False
 
     def publish(self, p: _Publication) -> None:
-        with self._cond:
+        with self._lock:
             self._queue.append(p)
-            while not p.done:
-                if self._busy:
-                    self._cond.wait()
-                    continue
-                batch, self._queue, self._busy = self._queue, [], True
-                error = None
-                self._cond.release()
-                try:
-                    self._commit(batch)
-                except BaseException as exc:  # noqa: BLE001 (every waiter of the batch raises it)
-                    error = exc
-                finally:
-                    self._cond.acquire()
-                    for q in batch:
-                        q.done, q.error = True, error
-                    self._busy = False
-                    self._cond.notify_all()
+            lead, self._busy = not self._busy, True
+        if not lead:
+            p.wake.acquire()  # committed, or handed the next commit
+        if not p.done:
+            self._lead()
         if p.error is not None:
             raise p.error
+
+    def _lead(self) -> None:
+        with self._lock:
+            batch, self._queue = self._queue, []
+        error = None
+        try:
+            self._commit(batch)
+        except BaseException as exc:  # noqa: BLE001 (every waiter of the batch raises it)
+            error = exc
+        finally:
+            with self._lock:
+                for q in batch:
+                    q.done, q.error = True, error
+                following = self._queue[0] if self._queue else None
+                self._busy = following is not None
+            for q in batch:
+                if q.wake.locked():
+                    q.wake.release()
+            if following is not None:
+                following.wake.release()  # it leads the next commit
 
 
 class _SessionThreads:

@@ -15,7 +15,8 @@ consumer refreshes `Keys.consumer_heartbeat(name)`, a key that expires after thr
 
 Results: each session's result is appended to `results:{shard}` and its work entry
 acknowledged in ONE transaction, so a result is never lost and a work entry never
-acknowledged without one. A source that raises produces an INFRA_ERROR result whose `error`
+acknowledged without one. Sessions that end while a transaction is in flight share the
+next one (`_GroupCommit`); its thread merges, checks and encodes their results. A source that raises produces an INFRA_ERROR result whose `error`
 is the traceback (the scheduler then fails the step with it: a broken source), except for
 a Redis connection or timeout error (a source loading weights from Redis during an outage):
 that fails the attempt as an INFRA_ERROR without `error`, and it is resubmitted. A source

@@ -4,8 +4,8 @@ The work stream of a fresh namespace is pre-filled with N encoded `wire.Work` en
 in-process `RolloutConsumer` (`--slots` slots) runs them with a `SleepSource` of zero-length
 sessions (`median_s` 0) that return 1k-token results (`--prompt` prompt plus
 `--completion` completion tokens, one call): reading, decoding and owning the work, one
-thread per session, the result merged, checked, encoded, appended and the work acknowledged
-in one transaction, lease renewals and heartbeats. The time until N results are committed
+thread per session, the result merged, checked, encoded (by the thread that commits it),
+appended and the work acknowledged in one transaction, lease renewals and heartbeats. The time until N results are committed
 (the consumer's own counts, read in process; then checked on the results stream) gives
 sessions per second.
 

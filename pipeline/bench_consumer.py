@@ -5,9 +5,9 @@ in-process `RolloutConsumer` (`--slots` slots) runs them with a `SleepSource` of
 sessions (`median_s` 0) that return 1k-token results (`--prompt` prompt plus
 `--completion` completion tokens, one call): reading, decoding and owning the work, one
 thread per session, the result merged, checked, encoded (by the thread that commits it),
-appended and the work acknowledged in one transaction, lease renewals and heartbeats. The time until N results are committed
-(the consumer's own counts, read in process; then checked on the results stream) gives
-sessions per second.
+appended and the work acknowledged in one transaction, lease renewals and heartbeats. The
+time until N results are committed (the consumer's own counts, read in process; then
+checked on the results stream) gives sessions per second.
 
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
 XREADGROUP (`--slots` at a time), msgpack decode of each work entry, msgpack encode of a

@@ -99,3 +99,30 @@ def test_a_refusal_names_the_field_as_before(field, value, error):
     with pytest.raises(wire.SchemaError) as refused:
         wire.decode(msgpack.packb(tree, use_bin_type=True))
     assert str(refused.value) == error
+
+
+def _map_of(items: list[tuple]) -> bytes:
+    """A msgpack map of `items` in order, repeated keys kept."""
+    return bytes([0x80 | len(items)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in items)
+
+
+HANDOVER = [("v", 2), ("k", "handover"), ("shard", 0), ("epoch", 0), ("step", 1), ("updates", 1),
+            ("published", None)]
+
+
+@pytest.mark.parametrize("items", [
+    HANDOVER + [("step", 5)], HANDOVER + [("step", -1)], [("step", -1)] + HANDOVER,
+    HANDOVER + [("k", "open")], [("k", "open")] + HANDOVER, HANDOVER + [("v", 1)],
+    HANDOVER + [("k", "handover")]], ids=range(7))
+def test_a_repeated_key_decodes_as_the_checks_read_it(items):
+    """msgpack maps may repeat a key; the last one counts, whichever path decodes it."""
+    data = _map_of(items)
+    same_as_parsed(data)
+    try:
+        expected = wire._parsed(data, None, wire.MAX_MESSAGE_BYTES)
+    except wire.SchemaError as refused:
+        with pytest.raises(wire.SchemaError) as also:
+            wire.decode(data)
+        assert str(also.value) == str(refused)
+    else:
+        assert wire.decode(data) == expected

@@ -712,7 +712,7 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
         raise SchemaError("k", f"expected {' or '.join(names)}, got {kind!r}")
     for key in d:
         if key not in cls.SPEC and key not in ("v", "k"):
-            raise SchemaError(str(key), "unknown field")
+            raise SchemaError(str(key) or "message", "unknown field" if key else "unknown field ''")
     values = {}
     for name, check in cls.SPEC.items():
         if name in d:

@@ -92,7 +92,8 @@ def test_a_float_field_refuses_exactly_what_the_checks_refuse(value, accepted):
     ("task", {"id": "", "payload": {}}, "task.id: must not be empty"),
     ("deadline", -1.0, "deadline: must be >= 0, got -1.0"),
     ("cause", "why", "cause: must be one of infra_error, cancelled, stale, timeout, unscored, got 'why'"),
-    ("sample", 2**64 - 1, f"sample: {2**64 - 1} is out of the int64 range")])
+    ("sample", 2**64 - 1, f"sample: {2**64 - 1} is out of the int64 range"),
+    ("", 0, "message: unknown field ''")])  # a refusal always names a field
 def test_a_refusal_names_the_field_as_before(field, value, error):
     tree = msgpack.unpackb(wire.encode(wire.Work(0, 0, 0, 0, 0, Task("t"), 0)), raw=False)
     tree[field] = value

@@ -15,7 +15,8 @@ consumer refreshes `Keys.consumer_heartbeat(name)`, a key that expires after thr
 
 Results: each session's result is appended to `results:{shard}` and its work entry
 acknowledged in ONE transaction, so a result is never lost and a work entry never
-acknowledged without one. A source that raises produces an INFRA_ERROR result whose `error`
+acknowledged without one. Sessions that end while a transaction is in flight share the
+next one (`_GroupCommit`); its thread merges, checks and encodes their results. A source that raises produces an INFRA_ERROR result whose `error`
 is the traceback (the scheduler then fails the step with it: a broken source), except for
 a Redis connection or timeout error (a source loading weights from Redis during an outage):
 that fails the attempt as an INFRA_ERROR without `error`, and it is resubmitted. A source
@@ -60,7 +61,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -122,53 +123,73 @@ class _Owned:
             return True
 
 
+def _held_lock() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
 @dataclass(eq=False)
 class _Publication:
-    """A finished session's result entry (and dead letter), waiting for its commit."""
+    """A finished session's result entry (and dead letter), waiting for its commit; or,
+    with `encode`, what makes them, which the committing thread calls (`fields` None till then).
+    `wake` is released when the publication is committed (`done`) or its thread is to lead
+    the next commit."""
 
     owned: _Owned
-    fields: dict
+    fields: dict | None
     dead: dict | None
     done: bool = False
     error: BaseException | None = None
+    encode: Callable[[], tuple[dict, dict | None]] | None = None
+    wake: threading.Lock = field(default_factory=_held_lock)
 
 
 class _GroupCommit:
     """Publications committed in batches: a session thread that finds no commit in flight
     commits every publication queued so far (its own included) in one transaction; the
-    others wait for it, then the next one commits what queued meanwhile. An idle consumer
-    thus commits each result at once, a busy one one transaction per round trip instead
-    of one per session. `publish` returns once its publication is committed; it raises
-    what the commit raised."""
+    others wait, and when a commit ends its thread wakes the publications it committed and
+    hands the next commit, of everything queued meanwhile, to the first of the rest. An
+    idle consumer thus commits each result at once, a busy one one transaction per round
+    trip instead of one per session; only the threads whose turn it is wake. `publish`
+    returns once its publication is committed; it raises what the commit raised."""
 
     def __init__(self, commit: Callable[[Sequence[_Publication]], None]) -> None:
         self._commit = commit
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: list[_Publication] = []
         self._busy = False
 
     def publish(self, p: _Publication) -> None:
-        with self._cond:
+        with self._lock:
             self._queue.append(p)
-            while not p.done:
-                if self._busy:
-                    self._cond.wait()
-                    continue
-                batch, self._queue, self._busy = self._queue, [], True
-                error = None
-                self._cond.release()
-                try:
-                    self._commit(batch)
-                except BaseException as exc:  # noqa: BLE001 (every waiter of the batch raises it)
-                    error = exc
-                finally:
-                    self._cond.acquire()
-                    for q in batch:
-                        q.done, q.error = True, error
-                    self._busy = False
-                    self._cond.notify_all()
+            lead, self._busy = not self._busy, True
+        if not lead:
+            p.wake.acquire()  # committed, or handed the next commit
+        if not p.done:
+            self._lead()
         if p.error is not None:
             raise p.error
+
+    def _lead(self) -> None:
+        with self._lock:
+            batch, self._queue = self._queue, []
+        error = None
+        try:
+            self._commit(batch)
+        except BaseException as exc:  # noqa: BLE001 (every waiter of the batch raises it)
+            error = exc
+        finally:
+            with self._lock:
+                for q in batch:
+                    q.done, q.error = True, error
+                following = self._queue[0] if self._queue else None
+                self._busy = following is not None
+            for q in batch:
+                if q.wake.locked():
+                    q.wake.release()
+            if following is not None:
+                following.wake.release()  # it leads the next commit
 
 
 class _SessionThreads:
@@ -414,11 +435,12 @@ class RolloutConsumer:
         """Acknowledge, without running, attempts cancelled before they started."""
         if not owned:
             return set()
+        shards = sorted({o.work.shard for o in owned})
         pipe = self.r.pipeline(transaction=False)
-        for o in owned:
-            pipe.zscore(self.keys.cancelled(o.work.shard), _member(o.work))
-        marks = pipe.execute()
-        skipped = {o for o, mark in zip(owned, marks) if mark is not None or o.cancelled.is_set()}
+        for shard in shards:  # one ZMSCORE per shard
+            pipe.zmscore(self.keys.cancelled(shard), [_member(o.work) for o in owned if o.work.shard == shard])
+        marks = dict(zip(shards, (iter(scores) for scores in pipe.execute())))
+        skipped = {o for o in owned if next(marks[o.work.shard]) is not None or o.cancelled.is_set()}
         skipped = {o for o in skipped if o.claim_publication()}
         if skipped:
             streams.ack(self.r, self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
@@ -494,8 +516,11 @@ class RolloutConsumer:
         """Append the result and acknowledge the work entry in one transaction (once)."""
         if not o.claim_publication():
             return
-        fields, dead = self._result_fields(o, session, error)
-        self._publisher.publish(_Publication(o, fields, dead))
+        finished = time.time()
+        # encoded by the thread that commits the batch: one thread at a time encodes, as
+        # many numpy calls release the GIL and sessions encoding at once would contend for it
+        self._publisher.publish(_Publication(o, None, None, encode=lambda: self._result_fields(
+            o, session, error, finished)))
         self.stats[f"results_{session.status.value}"] += 1
         self._release(o)
 
@@ -507,6 +532,10 @@ class RolloutConsumer:
         not, it was acknowledged by that EXEC (or reclaimed by the admission consumer, which
         already finished the attempt), and publishing it again would only append a
         duplicate. (Sessions that end while a commit is in flight share the next one.)"""
+        for p in batch:
+            if p.encode is not None:
+                p.fields, p.dead = p.encode()
+                p.encode = None
         outage = Outage(f"consumer {self.name} publishing {len(batch)} results", self.config.redis.reconnect_s)
         while True:
             try:
@@ -542,12 +571,13 @@ class RolloutConsumer:
                 self.stats["republish_skipped"] += 1
         return kept
 
-    def _result_fields(self, o: _Owned, session: Session, error: str | None) -> tuple[dict, dict | None]:
+    def _result_fields(self, o: _Owned, session: Session, error: str | None,
+                       finished: float) -> tuple[dict, dict | None]:
         """The result entry (the session's calls merged into chains here, so a repeated prompt
         never crosses the network), and a dead letter when the session's data does not encode."""
         w = o.work
         timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started,
-                   "finished": time.time()}
+                   "finished": finished}
         session.timings = {**timings, **dict(session.timings)}
         try:
             result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,

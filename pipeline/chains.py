@@ -190,7 +190,8 @@ def merge_ratio(chains: Sequence[Chain]) -> float:
 def chains_to_arrays(chains: Sequence[Chain]) -> dict[str, np.ndarray]:
     """Flatten chains into little-endian arrays: `lengths`, `calls`, `call_tokens` (one entry
     per chain) and `tokens`, `loss_mask`, `logprobs`, `versions` (all chains concatenated),
-    plus `support` (`[total, k]`, -1 padded) when any chain has support (even of width 0)."""
+    plus `support` (`[total, k]`, -1 padded) when any chain has support (even of width 0).
+    Of a single chain the arrays may be the chain's own: read them, do not write to them."""
     out: dict[str, np.ndarray] = {
         "lengths": np.array([len(c) for c in chains], dtype="<i4"),
         "calls": np.array([c.calls for c in chains], dtype="<i4"),
@@ -266,4 +267,6 @@ def chains_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Chain]:
 def _cat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     if not parts:
         return np.zeros(0, dtype=dtype)
+    if len(parts) == 1:  # one chain: its own array (copied only to change its dtype or layout)
+        return np.ascontiguousarray(parts[0], dtype=dtype)
     return np.ascontiguousarray(np.concatenate(parts).astype(dtype, copy=False))

@@ -12,7 +12,9 @@ so far never crosses the network twice. Schema version 2 introduced that; versio
 (which carried the calls) are refused, and dead-lettered, like any other unsupported version.
 
 `decode` refuses anything malformed with a `SchemaError` naming the field (`chains.logprobs`),
-never another exception. `encode` runs the same checks on what it is about to send, so what
+never another exception. Well-formed messages decode through msgspec structs derived from
+each kind's checkers (`_compile`), in C; only what those refuse is parsed again in Python,
+for the field and the reason. `encode` runs the same checks on what it is about to send, so what
 one process encodes every other process decodes. On a Redis stream an entry carries one field,
 `m`, holding the encoded bytes (`to_fields` / `from_fields`); entries that fail to decode go to
 the dead-letter stream (`dead_letter_fields`).
@@ -21,13 +23,16 @@ the dead-letter stream (`dead_letter_fields`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import msgpack
+import msgspec
 import numpy as np
 
 from pipeline.chains import (
@@ -65,6 +70,17 @@ def _tn(v: object) -> str:
 
 # ---------------------------------------------------------------- field checkers
 # Each takes (wire value, dotted path) and returns the Python value, or raises SchemaError.
+# A checker whose refusals a msgspec type expresses exactly carries that type in `_TYPES`
+# (and so do `_opt` and `_map` of one): decoding checks those fields in C (`_compiled`).
+
+_TYPES: dict[Callable[[Any, str], Any], Any] = {}
+_MAX_FLOAT = sys.float_info.max
+
+
+def _typed(check: Callable[[Any, str], Any], wire_type: Any) -> Callable[[Any, str], Any]:
+    """`check`, registered as accepting exactly what msgspec's `wire_type` accepts."""
+    _TYPES[check] = wire_type
+    return check
 
 
 def _int(v: Any, path: str, nonneg: bool = True) -> int:
@@ -100,7 +116,8 @@ def _str(v: Any, path: str, nonempty: bool = False) -> str:
 
 
 def _opt(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda v, path: None if v is None else check(v, path)
+    opt = lambda v, path: None if v is None else check(v, path)  # noqa: E731
+    return _typed(opt, Optional[_TYPES[check]]) if check in _TYPES else opt
 
 
 def _choice(values: tuple[str, ...], convert: Callable[[str], Any] = str) -> Callable[[Any, str], Any]:
@@ -108,7 +125,10 @@ def _choice(values: tuple[str, ...], convert: Callable[[str], Any] = str) -> Cal
         if not isinstance(v, str) or v not in values:
             raise SchemaError(path, f"must be one of {', '.join(values)}, got {v!r}")
         return convert(v)
-    return check
+    enum_type = isinstance(convert, type) and issubclass(convert, enum.Enum)
+    if enum_type and {e.value for e in convert} != set(values):
+        raise TypeError(f"{convert.__name__} is not the choice of {values}")
+    return _typed(check, convert if enum_type else Literal[values])
 
 
 def _map(check: Callable[[Any, str], Any]) -> Callable[[Any, str], dict]:
@@ -119,7 +139,7 @@ def _map(check: Callable[[Any, str], Any]) -> Callable[[Any, str], dict]:
         if not all(isinstance(key, str) for key in v):
             raise SchemaError(path, "map keys must be str")
         return {key: check(value, f"{path}.{key}") for key, value in v.items()}
-    return check_map
+    return _typed(check_map, dict[str, _TYPES[check]]) if check in _TYPES else check_map
 
 
 def _seq(check: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple]:
@@ -200,7 +220,12 @@ _CHAIN_DTYPES: dict[str, np.dtype] = {"lengths": np.dtype("<i4"), "calls": np.dt
 
 
 def _chains(v: Any, path: str) -> tuple[Chain, ...]:
-    """Chains from their wire arrays (above), every length and value checked.
+    """Chains from their wire arrays (above), every length and value checked (`_chain_parts`)."""
+    return _expand_chains(*_chain_parts(v, path))
+
+
+def _chain_parts(v: Any, path: str) -> tuple:
+    """The checked pieces of chains' wire arrays (what `encode` checks, expanding nothing).
 
     The per-chain arrays (a handful of entries) are checked as Python lists, the per-token
     ones with one numpy reduction per check: a result decodes in a few dozen numpy calls
@@ -250,6 +275,18 @@ def _chains(v: Any, path: str) -> tuple[Chain, ...]:
     if support is not None and (support.ndim != 2 or support.shape[0] != n_loss):
         raise SchemaError(f"{where}.shape", f"must be [{n_loss}, k] (a row per loss token), got "
                           f"{list(support.shape)}")
+    if support is not None and total * support.shape[1] > MAX_MESSAGE_BYTES:  # expanded to every token
+        raise SchemaError(f"{where}.shape", f"[{total}, {support.shape[1]}] once expanded to every "
+                          f"token is more than {MAX_MESSAGE_BYTES} entries")
+    return tokens, lengths, calls, call_tokens, loss, logprobs, versions, runs, support
+
+
+def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], call_tokens: list[int],
+                   loss: np.ndarray, logprobs: np.ndarray, versions: list[int], runs: list[int],
+                   support: np.ndarray | None) -> tuple[Chain, ...]:
+    """Chains from their checked wire pieces: log-probs, versions and support put back on
+    every token (0, -1 and -1 off the loss tokens)."""
+    total = len(tokens)
     full_logprobs = np.zeros(total, LOGPROB_DTYPE)
     full_logprobs[loss] = logprobs
     if len(versions) == 1:  # one version served every loss token (a single call, usually)
@@ -259,9 +296,6 @@ def _chains(v: Any, path: str) -> tuple[Chain, ...]:
         full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
     full_support = None
     if support is not None:
-        if total * support.shape[1] > MAX_MESSAGE_BYTES:  # expanded to every token, not only the loss ones
-            raise SchemaError(f"{where}.shape", f"[{total}, {support.shape[1]}] once expanded to every "
-                              f"token is more than {MAX_MESSAGE_BYTES} entries")
         full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
         full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
@@ -292,17 +326,23 @@ def _chains_wire(chains: Any) -> Any:
         return _wire(chains)
     arrays = chains_to_arrays(chains)
     loss = arrays["loss_mask"]
+    off_loss = ~loss
     off = {"logprobs": 0, "versions": NO_VERSION, "support": -1}
     for name, value in off.items():  # what the wire leaves out must be what decoding puts back
-        if name in arrays and (arrays[name][~loss] != value).any():
+        if name in arrays and (arrays[name][off_loss] != value).any():
             raise SchemaError(f"chains.{name}", f"must be {value} off loss tokens")
     versions = arrays["versions"][loss]
-    change = np.ones(len(versions), dtype=bool)  # where a run of one version begins
-    change[1:] = versions[1:] != versions[:-1]
-    starts = np.flatnonzero(change)
+    if versions.size and versions[0] == versions[-1] and (versions == versions[0]).all():
+        runs = np.array([len(versions)])  # one version served every loss token (usually)
+        versions = versions[:1]
+    else:
+        change = np.ones(len(versions), dtype=bool)  # where a run of one version begins
+        change[1:] = versions[1:] != versions[:-1]
+        starts = np.flatnonzero(change)
+        runs = np.diff(starts, append=len(versions))
+        versions = versions[starts]
     arrays = {**arrays, "loss_mask": np.packbits(loss, bitorder="little"),
-              "logprobs": arrays["logprobs"][loss], "versions": versions[starts],
-              "version_runs": np.diff(starts, append=len(versions))}
+              "logprobs": arrays["logprobs"][loss], "versions": versions, "version_runs": runs}
     out: dict[str, Any] = {name: np.ascontiguousarray(arrays[name], dtype).tobytes()
                            for name, dtype in _CHAIN_DTYPES.items()}
     support = arrays.get("support")
@@ -332,6 +372,11 @@ def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
 
 _nonneg_float = partial(_float, nonneg=True)
 _nonempty_str = partial(_str, nonempty=True)
+_typed(_int, Annotated[int, msgspec.Meta(ge=0, le=_INT64 - 1)])
+_typed(_float, Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)])  # refuses NaN too
+_typed(_nonneg_float, Annotated[float, msgspec.Meta(ge=0, le=_MAX_FLOAT)])
+_typed(_str, str)
+_typed(_nonempty_str, Annotated[str, msgspec.Meta(min_length=1)])
 _STATUSES = tuple(s.value for s in Status)
 
 # ---------------------------------------------------------------- messages
@@ -566,6 +611,49 @@ class Record(_ShardMessage):
                                           if name not in ("shard", "epoch", "step")})
 
 
+# ---------------------------------------------------------------- the compiled schema
+# One msgspec struct per kind, derived from its SPEC (there is no second list of fields):
+# a field whose checker has a type (`_TYPES`) is checked in C as the message decodes; the
+# others (chains, a step's arrays and record, tasks, free-form maps) decode as plain values
+# and then go through their checker. Whatever the structs refuse is parsed again by
+# `_parse`, which names the field and the reason; so the compiled path only ever accepts
+# what `_parse` accepts, with the same values (tests/unit/test_wire_compiled.py compares
+# the two on valid and damaged messages), and every refusal reads as it always did.
+
+
+def _compile(cls: type[Message]) -> type[msgspec.Struct]:
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    fields: list[tuple] = [("v", Literal[SCHEMA_VERSION])]
+    for name, check in cls.SPEC.items():
+        wire_type = _TYPES.get(check, Any)
+        if name not in cls.ADDED:
+            fields.append((name, wire_type))
+        elif defaults[name] is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{name}: a field added within a version needs a default")
+        else:
+            fields.append((name, wire_type, defaults[name]))
+    return msgspec.defstruct(f"{cls.__name__}Wire", fields, kw_only=True, tag_field="k", tag=cls.KIND,
+                             forbid_unknown_fields=True)
+
+
+_COMPILED = {_compile(cls): cls for cls in _KINDS.values()}
+_UNCOMPILED = {cls: tuple((name, check) for name, check in cls.SPEC.items() if check not in _TYPES)
+               for cls in _KINDS.values()}
+_ANY_KIND = Union[tuple(_COMPILED)]  # tagged by "k"
+_DECODER = msgspec.msgpack.Decoder(_ANY_KIND)
+_REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs or a checker
+
+
+def _compiled(struct: msgspec.Struct) -> Message:
+    """The message of a struct `_DECODER` accepted, its remaining fields checked."""
+    cls = _COMPILED[type(struct)]
+    values = msgspec.structs.asdict(struct)
+    del values["v"]
+    for name, check in _UNCOMPILED[cls]:
+        values[name] = check(values[name], name)
+    return cls(**values)
+
+
 # ---------------------------------------------------------------- codec
 
 
@@ -623,7 +711,7 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
         raise SchemaError("k", f"expected {' or '.join(names)}, got {kind!r}")
     for key in d:
         if key not in cls.SPEC and key not in ("v", "k"):
-            raise SchemaError(str(key), "unknown field")
+            raise SchemaError(str(key) or "message", "unknown field" if key else "unknown field ''")
     values = {}
     for name, check in cls.SPEC.items():
         if name in d:
@@ -631,6 +719,20 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
         elif name not in cls.ADDED:
             raise SchemaError(name, "missing")
     return cls(**values)
+
+
+_CHECK_ONLY = {_chains: _chain_parts}  # what `_check` runs in place of a checker that builds
+
+
+def _check(wire: dict) -> None:
+    """Refuse what `decode` would refuse of `wire`, the wire form of a message (so built
+    from valid values: only the checks of its fields are run, not the message's own)."""
+    try:
+        struct = msgspec.convert(wire, _ANY_KIND, strict=True)
+        for name, check in _UNCOMPILED[_COMPILED[type(struct)]]:
+            _CHECK_ONLY.get(check, check)(getattr(struct, name), name)
+    except _REFUSED:
+        _parse(wire)  # raises the SchemaError naming the field
 
 
 def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = False) -> bytes:
@@ -647,7 +749,7 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
                         f"not {msg.KIND}")
     wire = _wire(msg)
     if not trusted:
-        _parse(wire)
+        _check(wire)
     try:
         data = msgpack.packb(wire, use_bin_type=True)
     except Exception as exc:  # noqa: BLE001 (a str that is not UTF-8, and the like)
@@ -664,6 +766,17 @@ def decode(data: bytes | bytearray | memoryview, expect: type | tuple[type, ...]
         raise SchemaError("message", f"expected bytes, got {_tn(data)}")
     if len(data) > max_bytes:
         raise SchemaError("message", f"{len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        msg = _compiled(_DECODER.decode(data))
+        if expect is None or isinstance(msg, expect):
+            return msg
+    except _REFUSED:
+        pass  # parsed again, for the field and reason of the refusal
+    return _parsed(data, expect, max_bytes)
+
+
+def _parsed(data: bytes, expect: type | tuple[type, ...] | None, max_bytes: int) -> Message:
+    """`decode` field by field in Python: what names the field of a refusal."""
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=max_bytes,
                               max_bin_len=max_bytes, max_array_len=len(data),

@@ -4,9 +4,10 @@ The work stream of a fresh namespace is pre-filled with N encoded `wire.Work` en
 in-process `RolloutConsumer` (`--slots` slots) runs them with a `SleepSource` of zero-length
 sessions (`median_s` 0) that return 1k-token results (`--prompt` prompt plus
 `--completion` completion tokens, one call): reading, decoding and owning the work, one
-thread per session, the result merged, checked, encoded, appended and the work acknowledged
-in one transaction, lease renewals and heartbeats. The time until N results are on the
-results stream gives sessions per second.
+thread per session, the result merged, checked, encoded (by the thread that commits it),
+appended and the work acknowledged in one transaction, lease renewals and heartbeats. The
+time until N results are committed (the consumer's own counts, read in process; then
+checked on the results stream) gives sessions per second.
 
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
 XREADGROUP (`--slots` at a time), msgpack decode of each work entry, msgpack encode of a
@@ -57,11 +58,13 @@ def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, comp
         thread = threading.Thread(target=consumer.run, args=(stop,), daemon=True)
         t0, c0 = time.perf_counter(), time.process_time()
         thread.start()
-        while r.xlen(keys.results(0)) < sessions:
+        while _published(consumer) < sessions:  # counted in process: polling Redis would load both
             if not thread.is_alive():
                 raise RuntimeError(f"the consumer stopped early: {dict(consumer.stats)}")
             time.sleep(0.001)
         consumer_s, consumer_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        if r.xlen(keys.results(0)) != sessions:
+            raise RuntimeError(f"{r.xlen(keys.results(0))} results on the stream for {sessions} sessions")
         stop.set()
         thread.join(30)
         result_bytes = sum(len(f[wire.FIELD]) for _, f in r.xrange(keys.results(0), count=8))
@@ -92,6 +95,11 @@ def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, comp
         "consumer": {"seconds": round(consumer_s, 3), "cpu_s": round(consumer_cpu_s, 3), "results": statuses},
         "floor": {"seconds": round(floor_s, 3), "cpu_s": round(floor_cpu_s, 3)},
     }
+
+
+def _published(consumer) -> int:
+    """The results the consumer has committed (its `results_<status>` counts)."""
+    return sum(n for name, n in list(consumer.stats.items()) if name.startswith("results_"))
 
 
 def _fill(r, stream: str, entries: list[dict]) -> None:

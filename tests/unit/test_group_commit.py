@@ -34,10 +34,10 @@ def test_publications_queued_during_a_commit_share_the_next_one():
         t.start()
 
     def all_queued() -> bool:
-        with group._cond:
+        with group._lock:
             return len(group._queue) == 4
 
-    while not all_queued():  # the four wait on the condition, queued
+    while not all_queued():  # the four wait, queued
         threading.Event().wait(0.001)
     queued.set()
     for t in [first, *others]:

@@ -59,7 +59,7 @@ ACL_COMMANDS = (
     "xadd", "xreadgroup", "xread", "xack", "xclaim", "xpending", "xrange", "xrevrange",
     "xtrim", "xdel", "xlen", "xgroup|create", "xinfo|groups", "xinfo|stream", "xinfo|consumers",
     # hashes (state, held payloads, weight manifests), the cancelled set, plain keys
-    "hset", "hsetnx", "hget", "hmget", "hgetall", "hkeys", "hdel", "zadd", "zscore",
+    "hset", "hsetnx", "hget", "hmget", "hgetall", "hkeys", "hvals", "hdel", "zadd", "zscore", "zmscore",
     "zremrangebyscore", "get", "set", "del", "exists", "incr", "incrby", "pexpire", "scan",
     # transactions (WATCH: an admission consumer's fencing token) and the connection
     # (SELECT: a URL naming a database other than 0)
@@ -88,7 +88,7 @@ ACL_ROLES: dict[str, AclRole] = {
     "admission": _RUN,  # it owns the run's state
     "consumer": AclRole(
         ("xreadgroup", "xread", "xack", "xclaim", "xpending", "xadd", "xrange", "xrevrange",
-         "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "multi", "exec",
+         "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "zmscore", "multi", "exec",
          "discard", "ping", "hello", "select"),
         writes=("work", "results:*", "dead"),
         reads=("control", "cancelled:*", "weights*"),

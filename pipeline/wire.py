@@ -126,7 +126,7 @@ def _choice(values: tuple[str, ...], convert: Callable[[str], Any] = str) -> Cal
             raise SchemaError(path, f"must be one of {', '.join(values)}, got {v!r}")
         return convert(v)
     enum_type = isinstance(convert, type) and issubclass(convert, enum.Enum)
-    if enum_type and {e.value for e in convert} != set(values):
+    if enum_type and {e.value for e in convert} != set(values):  # type: ignore[attr-defined]
         raise TypeError(f"{convert.__name__} is not the choice of {values}")
     return _typed(check, convert if enum_type else Literal[values])
 
@@ -139,7 +139,7 @@ def _map(check: Callable[[Any, str], Any]) -> Callable[[Any, str], dict]:
         if not all(isinstance(key, str) for key in v):
             raise SchemaError(path, "map keys must be str")
         return {key: check(value, f"{path}.{key}") for key, value in v.items()}
-    return _typed(check_map, dict[str, _TYPES[check]]) if check in _TYPES else check_map
+    return _typed(check_map, dict[str, _TYPES[check]]) if check in _TYPES else check_map  # type: ignore[valid-type]
 
 
 def _seq(check: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple]:
@@ -622,7 +622,7 @@ class Record(_ShardMessage):
 
 
 def _compile(cls: type[Message]) -> type[msgspec.Struct]:
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     fields: list[tuple] = [("v", Literal[SCHEMA_VERSION])]
     for name, check in cls.SPEC.items():
         wire_type = _TYPES.get(check, Any)
@@ -639,7 +639,7 @@ def _compile(cls: type[Message]) -> type[msgspec.Struct]:
 _COMPILED = {_compile(cls): cls for cls in _KINDS.values()}
 _UNCOMPILED = {cls: tuple((name, check) for name, check in cls.SPEC.items() if check not in _TYPES)
                for cls in _KINDS.values()}
-_ANY_KIND = Union[tuple(_COMPILED)]  # tagged by "k"
+_ANY_KIND: Any = Union[tuple(_COMPILED)]  # tagged by "k"
 _DECODER = msgspec.msgpack.Decoder(_ANY_KIND)
 _REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs or a checker
 
@@ -730,7 +730,7 @@ def _check(wire: dict) -> None:
     try:
         struct = msgspec.convert(wire, _ANY_KIND, strict=True)
         for name, check in _UNCOMPILED[_COMPILED[type(struct)]]:
-            _CHECK_ONLY.get(check, check)(getattr(struct, name), name)
+            _CHECK_ONLY.get(check, check)(getattr(struct, name), name)  # type: ignore[arg-type]
     except _REFUSED:
         _parse(wire)  # raises the SchemaError naming the field
 
@@ -775,7 +775,7 @@ def decode(data: bytes | bytearray | memoryview, expect: type | tuple[type, ...]
     return _parsed(data, expect, max_bytes)
 
 
-def _parsed(data: bytes, expect: type | tuple[type, ...] | None, max_bytes: int) -> Message:
+def _parsed(data: bytes | bytearray | memoryview, expect: type | tuple[type, ...] | None, max_bytes: int) -> Message:
     """`decode` field by field in Python: what names the field of a refusal."""
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=max_bytes,

@@ -619,20 +619,29 @@ class Admission:
         staged = {k: txn.held[member(k)] for k in rest if txn.held.get(member(k)) is not None}
         rest = [k for k in rest if k not in staged]
         values = self.r.hmget(self.keys.held(self.shard), [member(k) for k in rest]) if rest else []
-        for key, value in [*staged.items(), *zip(rest, values)]:
-            payload = self._held_payload(value)
+        pairs = [*staged.items(), *zip(rest, values)]
+        for (key, _), payload in zip(pairs, self._held_payloads([v for _, v in pairs])):
             if payload is None:
                 raise RuntimeError(f"shard {self.shard}: the held result of admitted {key} is missing")
             out[key] = _rollout(payload)
         return out
 
-    def _held_payload(self, value: bytes | None) -> bytes | None:
-        """The encoded result a held value stands for (read from its entry for a reference)."""
-        if value is None or not value.startswith(REF):
-            return value
-        entry_id = text(value[len(REF):])
-        entry = streams.entries(self.r, self.keys.results(self.shard), entry_id, entry_id)
-        return entry[0][1].get(wire.FIELD) if entry else None
+    def _held_payloads(self, values: Sequence[bytes | None]) -> list[bytes | None]:
+        """The encoded results held values stand for: a reference is read from its entry
+        (all of them in one round trip), a payload is itself."""
+        refs = [text(v[len(REF):]) for v in values if v is not None and v.startswith(REF)]
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id in refs:
+            streams.entries(pipe, self.keys.results(self.shard), entry_id, entry_id)
+        found = iter(pipe.execute() if refs else [])
+        out = []
+        for value in values:
+            if value is None or not value.startswith(REF):
+                out.append(value)
+            else:
+                entry = next(found)
+                out.append(entry[0][1].get(wire.FIELD) if entry else None)
+        return out
 
     def _held_from(self) -> str | None:
         """The lowest entry id of `results:{shard}` a held result refers to (None: none)."""

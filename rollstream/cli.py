@@ -57,7 +57,9 @@ def _simulate_frontier(args: argparse.Namespace) -> int:
     unknown = set(policies) - set(bench_schedule.POLICIES)
     if unknown:
         raise SystemExit(f"unknown policies: {sorted(unknown)}")
-    result = bench_schedule.simulate_frontier(workload, policies)
+    if args.seeds < 1:
+        raise SystemExit("--seeds must be >= 1")
+    result = bench_schedule.simulate_frontier(workload, policies, seeds=args.seeds)
     if args.plot:
         bench_schedule.plot_frontier(result, args.plot)
     print(json.dumps(result) if args.json else bench_schedule.format_frontier(result))
@@ -196,6 +198,8 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--policies", default="sync,group,batch,stream",
                      help="--frontier: comma-separated subset")
     sim.add_argument("--plot", help="--frontier: write the frontier plot here")
+    sim.add_argument("--seeds", type=int, default=1,
+                     help="--frontier: every point the mean over seeds --seed .. --seed + N - 1")
     from rollstream.bench_schedule import add_stream_config
 
     add_stream_config(sim)

@@ -28,6 +28,12 @@ from pipeline.scheduler import (
 from pipeline.sessions import Status, Task
 
 
+def task_id(batch: int, index: int) -> str:
+    """The id of task `index` of batch `batch` (here and in `rollstream bench schedule`, so
+    that a duration drawn from an attempt's key is the same in both)."""
+    return f"{batch}.{index}"
+
+
 @dataclass(frozen=True)
 class Workload:
     """The synthetic rollouts and trainer."""
@@ -113,10 +119,15 @@ class StepReport:
 
 
 class Simulation:
-    """Runs the scheduler against `workload.slots` simulated slots and a trainer."""
+    """Runs the scheduler against `workload.slots` simulated slots and a trainer. An
+    attempt's duration comes from `durations` when given (a function of its `Submit`: the
+    bench draws `SleepSource`'s own, keyed by the attempt), else from `workload`'s
+    generator."""
 
-    def __init__(self, config: SchedulerConfig, workload: Workload) -> None:
+    def __init__(self, config: SchedulerConfig, workload: Workload,
+                 durations: Callable[[Submit], float] | None = None) -> None:
         self.config, self.work = config, workload
+        self._durations = durations
         self.sched = Scheduler(config)
         self.rng = random.Random(workload.seed)
         self.now = 0.0
@@ -161,7 +172,7 @@ class Simulation:
     def _register(self) -> list:
         b = self._next_batch
         self._next_batch += 1
-        tasks = tuple(Task(f"task-{b}-{i}") for i in range(self.work.batch_size))
+        tasks = tuple(Task(task_id(b, i)) for i in range(self.work.batch_size))
         return self.sched.handle(Register(b, tasks), self.now)
 
     def _trained(self, step: int) -> list:
@@ -198,7 +209,7 @@ class Simulation:
             if sub.key in self._cancelled:
                 self._cancelled.discard(sub.key)
                 continue
-            length = self.work.duration(self.rng)
+            length = self._durations(sub) if self._durations else self.work.duration(self.rng)
             self._running[sub.key] = (self.now, length)
             version = self.sched.served
             self._at(self.now + length, "finish", (sub.key, version))

@@ -62,10 +62,16 @@ class SleepSource:
         self.vocab = vocab
         self.seed = seed
 
-    def _rng(self, request: SessionRequest) -> random.Random:
+    def _rng(self, task_id: str, group: int, sample: int, attempt: int) -> random.Random:
+        """An attempt's generator: with a `seed`, a function of the attempt alone."""
         if self.seed is None:
             return random.Random()
-        return random.Random(f"{self.seed}:{request.task.id}:{request.group}:{request.sample}:{request.attempt}")
+        return random.Random(f"{self.seed}:{task_id}:{group}:{sample}:{attempt}")
+
+    def duration_for(self, task_id: str, group: int, sample: int, attempt: int) -> float:
+        """The duration `run` gives the attempt (its generator's first draw); with a `seed`,
+        the same every time (`rollstream simulate --frontier` meets the bench's sessions)."""
+        return self.duration_s(self._rng(task_id, group, sample, attempt))
 
     def duration_s(self, rng: random.Random) -> float:
         if self.median_s == 0:  # sessions of zero length (`rollstream bench consumer`)
@@ -73,12 +79,12 @@ class SleepSource:
         return min(rng.lognormvariate(math.log(self.median_s), self.sigma), self.cap * self.median_s)
 
     def run(self, request: SessionRequest) -> Session:
-        rng = self._rng(request)
+        rng = self._rng(request.task.id, request.group, request.sample, request.attempt)
+        duration = self.duration_s(rng)  # first, as `duration_for` draws it
         # the tokens and log-probs drawn by numpy, seeded from the request's generator: a
         # 1k-token session costs microseconds, not the milliseconds of a draw per token
         draws = np.random.default_rng(rng.getrandbits(64))
         started = time.time()
-        duration = self.duration_s(rng)
         calls: list[Call] = []
         prompt = draws.integers(0, self.vocab, self.prompt_tokens, dtype=np.int32)
         for _ in range(self.calls):

@@ -131,3 +131,73 @@ def test_the_simulated_frontier_reports_the_bound_at_batchs_share():
         assert 0 <= bound["waste_share"] < 1
     assert "bound" in bench_schedule.format_frontier(out)
     assert "bound" not in bench_schedule.simulate_frontier(w, ("stream",))
+
+
+def test_the_mean_over_seeds_averages_every_figure_and_lists_the_main_ones():
+    runs = [{**_policy(10.0, 0.2, 1.0, 1.0), "lag_max": 1, "trained_length_vs_workload": 0.5,
+             "resubmitted": {"stale": 2}, "config": {"max_lag": 2}},
+            {**_policy(30.0, 0.4, 1.0, 1.0), "lag_max": 2, "trained_length_vs_workload": None,
+             "resubmitted": {"stale": 5}, "config": {"max_lag": 2}}]
+    out = bench_schedule.mean_over_seeds(runs)
+    assert out["samples_per_s"] == 20.0 and out["utilization"] == pytest.approx(0.3)
+    assert out["capacity_share"] == 0.2 and out["resubmitted"] == {"stale": 3.5}
+    assert out["lag_max"] == 2  # the largest, not a mean
+    assert out["trained_length_vs_workload"] == 0.5  # not every seed has one: the first's
+    assert out["config"] == {"max_lag": 2} and out["seeds"] == 2
+    assert out["per_seed"]["capacity_share"] == [0.1, 0.3]
+    assert bench_schedule.mean_over_seeds([runs[0]]) is runs[0]
+
+
+def test_the_simulated_frontier_over_seeds_is_the_mean_of_each_seeds_frontier():
+    w = bench_schedule.workload_for(True, steps=3, slots=16, procs=1, batch_size=4, groups=2,
+                                    median_ms=5.0, train_ms=1.0)
+    one = [bench_schedule.simulate_frontier({**w, "seed": s}, ("batch",), lags=(1,)) for s in (0, 1)]
+    both = bench_schedule.simulate_frontier(w, ("batch",), lags=(1,), seeds=2)
+    shares = [o["frontier"]["1"]["batch"]["capacity_share"] for o in one]
+    assert shares[0] != shares[1]  # the seeds draw different sessions
+    point = both["frontier"]["1"]["batch"]
+    assert point["per_seed"]["capacity_share"] == shares
+    assert point["capacity_share"] == pytest.approx(sum(shares) / 2, abs=1e-4)
+    assert both["workload"]["seeds"] == 2
+    with pytest.raises(ValueError, match="seeds"):
+        bench_schedule.simulate_frontier(w, ("batch",), seeds=0)
+
+
+def test_the_simulation_runs_the_sessions_sleepsource_sleeps(monkeypatch):
+    """The frontier's simulation draws each attempt's duration as the bench's consumers do:
+    `SleepSource.duration_for` of the attempt's key, the time `run` waits."""
+    import threading
+
+    from consumers.sources import sleep
+    from pipeline.sessions import SessionRequest, Task
+    from rollstream import simulate
+
+    source = sleep.SleepSource(median_s=0.5, sigma=1.0, cap=20.0, seed=3)
+    waited = []
+    monkeypatch.setattr(sleep, "wait_cancelled", lambda request, s: waited.append(s) or False)
+    for attempt in range(3):
+        source.run(SessionRequest(Task(simulate.task_id(4, 1)), 7, 2, attempt, 0, None,
+                                  threading.Event(), lambda: 0))
+        assert waited[-1] == source.duration_for("4.1", 7, 2, attempt)
+    assert len(set(waited)) == 3  # every attempt its own draw
+    assert sleep.SleepSource(median_s=0.5, seed=4).duration_for("4.1", 7, 2, 0) != waited[0]
+
+    drawn = []
+    original = simulate.Simulation._fill
+
+    def fill(self):
+        before = set(self._running)
+        original(self)
+        drawn.extend((key, self._running[key][1]) for key in set(self._running) - before)
+
+    monkeypatch.setattr(simulate.Simulation, "_fill", fill)
+    w = bench_schedule.workload_for(True, steps=2, slots=16, procs=1, batch_size=4, groups=2,
+                                    median_ms=5.0, train_ms=1.0, seed=3)
+    bench_schedule.simulate_policy("batch", w)
+    bench = sleep.SleepSource(**bench_schedule._sleep_args(w))
+    tasks = {}  # batch mode: batch b's groups are b * batch_size .. in order, one per task
+    assert len(drawn) > 8
+    for key, length in drawn:
+        b, i = divmod(key.group, w["batch_size"])
+        tasks[key.group] = simulate.task_id(b, i)
+        assert length == bench.duration_for(tasks[key.group], key.group, key.sample, key.attempt)

@@ -31,7 +31,11 @@ scheduler cannot tell queued work from running work).
 `--repeat N` runs the four policies N times in turn and reports, per policy, the round
 with the median samples/s, the median of the per-round ratios to `sync` and `group`, and
 `spread` (min, median, max of the main figures over the rounds); `--plot PATH` writes a
-PNG of utilisation and samples/s per policy.
+PNG of utilisation and samples/s per policy. The sessions are a function of `--seed`
+(`SleepSource` draws each attempt's duration from its task, group, sample and attempt), and
+`rollstream simulate --frontier --seed S` runs the same sessions through the pure scheduler;
+`--frontier --seeds N` makes every point the mean over seeds S .. S + N - 1, since one draw of
+a heavy-tailed workload moves a policy's share by several hundredths.
 
 Measured per policy, over the wall time from opening the epoch to the end of the last
 trainer step: trained samples per second; slot utilisation (busy slot-seconds, from the

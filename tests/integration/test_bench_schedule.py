@@ -74,3 +74,20 @@ def test_bench_schedule_frontier_prints_every_policy_at_every_lag(capsys):
         for p in policies.values():
             assert FIELDS - {"vs_group"} <= set(p) and p["max_lag"] == int(lag)
             assert p["config"]["max_lag"] == int(lag)
+
+
+def test_bench_schedule_frontier_over_seeds_averages_the_draws(capsys):
+    import json
+
+    args = ["--frontier", "--json", "--steps", "2", "--slots", "8", "--procs", "1",
+            "--batch-size", "4", "--groups", "2", "--median-ms", "5", "--train-ms", "1",
+            "--policies", "batch", "--seed", "5", "--seeds", "2"]
+    p = __import__("argparse").ArgumentParser()
+    bench_schedule.add_arguments(p)
+    assert bench_schedule.run_from_args(p.parse_args(args)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["seed"] == 5 and out["workload"]["seeds"] == 2
+    for point in (out["frontier"][lag]["batch"] for lag in ("1", "2", "4")):
+        shares = point["per_seed"]["capacity_share"]
+        assert point["seeds"] == 2 and len(shares) == 2
+        assert point["capacity_share"] == pytest.approx(sum(shares) / 2, abs=1e-4)

@@ -186,7 +186,16 @@ class AsyncSessionSource(Protocol):
 SessionSource = Union[SyncSessionSource, AsyncSessionSource]
 """A source implements `run(request) -> Session` or `async arun(request) -> Session`. A
 source that samples from a filtered support (top-k/top-p) and reports `Call.support` sets
-the class attribute `filtered = True`; the scheduler then requires `support_capacity`."""
+the class attribute `filtered = True`; the scheduler then requires `support_capacity`. A
+sync source whose `run` never waits (no I/O, no sleep: microseconds of CPU, such as a
+stand-in of zero-length sessions) may set `inline = True` (`runs_inline`): the rollout
+consumer then runs its sessions on the thread that reads the work instead of a thread each,
+so a session holds up the reading of work and the lease renewals while it runs."""
+
+
+def runs_inline(source: object) -> bool:
+    """True for a sync source that declares its sessions never wait (`inline = True`)."""
+    return getattr(source, "inline", False) is True and not is_async_source(source)
 
 
 def is_async_source(source: object) -> bool:

@@ -336,7 +336,7 @@ def _chains_wire(chains: Any) -> Any:
                 raise SchemaError(f"chains.{name}", f"must be {value} off loss tokens")
     versions = arrays["versions"][loss]
     if versions.size and versions[0] == versions[-1] and (versions == versions[0]).all():
-        runs = [len(versions)]  # one version served every loss token (usually)
+        runs = np.array([len(versions)])  # one version served every loss token (usually)
         versions = versions[:1]
     else:
         change = np.ones(len(versions), dtype=bool)  # where a run of one version begins
@@ -540,7 +540,8 @@ class Result(_SampleMessage):
             raise SchemaError("chains.tokens", f"token ids must be >= 0, got {low}")
         if not all(c.logprobs.max() <= LOGPROB_EPSILON and c.logprobs.min() > -np.inf for c in chains):
             raise SchemaError("chains.logprobs", "must be finite and <= 0")  # max is NaN if any is
-        versions = [int(v.min()) for v in (c.versions[c.loss_mask] for c in chains) if v.size]
+        # every loss token's version is its call's (`merge_calls`)
+        versions = [call.version for call in session.calls if len(call.completion_ids)]
         if versions and min(versions) < 0:
             raise SchemaError("chains.versions", f"must be >= 0, got {min(versions)}")
         for c in result.chains:
@@ -680,6 +681,8 @@ def _compiled(struct: msgspec.Struct) -> Message:
 
 def _wire(v: Any, depth: int = 0) -> Any:
     """Python value -> msgpack-ready value (the checkers then validate it)."""
+    if v is None or type(v) in _SCALARS:
+        return v
     if depth > 2 * _MAX_DEPTH:
         raise SchemaError("message", "nested too deeply")
     if isinstance(v, Message):

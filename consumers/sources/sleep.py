@@ -91,13 +91,14 @@ class SleepSource:
         duration = self.duration_s(rng)
         calls: list[Call] = []
         prompt = self._window(rng, self._tokens, self.prompt_tokens)
-        for _ in range(self.calls):
+        for k in range(self.calls):
             if wait_cancelled(request, duration / self.calls):
                 return Session(Status.CANCELLED, calls=calls, timings=self._timings(started))
             completion = self._window(rng, self._tokens, self.completion_tokens)
             logprobs = self._window(rng, self._logprobs, self.completion_tokens)
             calls.append(Call(prompt, completion, logprobs, request.served_version()))
-            prompt = np.concatenate([prompt, completion, self._window(rng, self._tokens, 4)])
+            if k + 1 < self.calls:  # the next call's prompt: this one's, its completion, 4 more
+                prompt = np.concatenate([prompt, completion, self._window(rng, self._tokens, 4)])
         status = rng.choices(self.statuses, self.weights)[0]
         reward = None if status in (Status.INFRA_ERROR, Status.CANCELLED) else rng.random()
         return Session(status, reward, calls=calls, timings=self._timings(started))

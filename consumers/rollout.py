@@ -5,8 +5,9 @@ refilled at once) and starts one session thread per entry; a sync source runs in
 thread, an async source (`arun`) on the consumer's event loop while the thread waits for
 it. A sync source whose sessions never wait (`inline = True`, `runs_inline`: a stand-in of
 zero-length sessions) runs on the main loop instead, the sessions of one read one after
-another, their results committed together: no thread hand-off per session. A listener thread follows `control` (cancels; every consumer sees every entry) and
-`weights` (the served version `SessionRequest.served_version()` returns) with XREAD.
+another, their results committed together: no thread hand-off per session. A listener
+thread follows `control` (cancels; every consumer sees every entry) and `weights` (the
+served version `SessionRequest.served_version()` returns) with XREAD.
 
 Owning work: a work entry is this consumer's while it is pending under its name in
 `WORK_GROUP`. Every `lease_s / 3` the consumer re-claims all of its entries (XCLAIM, min-idle
@@ -541,9 +542,8 @@ class RolloutConsumer:
             return
         # encoded by the thread that commits the batch: one thread at a time encodes, as
         # many numpy calls release the GIL and sessions encoding at once would contend for it
-        self._publisher.publish(*(_Publication(o, None, None, encode=partial(self._result_fields, o, session, error,
-                                                                              finished))
-                                  for o, session, error, finished in ended))
+        self._publisher.publish(*(_Publication(o, None, None, encode=partial(
+            self._result_fields, o, session, error, finished)) for o, session, error, finished in ended))
         for o, session, _, _ in ended:
             self.stats[f"results_{session.status.value}"] += 1
             self._release(o)

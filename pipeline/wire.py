@@ -681,10 +681,10 @@ def _compiled(struct: msgspec.Struct) -> Message:
 
 def _wire(v: Any, depth: int = 0) -> Any:
     """Python value -> msgpack-ready value (the checkers then validate it)."""
-    if v is None or type(v) in _SCALARS:
-        return v
     if depth > 2 * _MAX_DEPTH:
         raise SchemaError("message", "nested too deeply")
+    if v is None or type(v) in _SCALARS:
+        return v
     if isinstance(v, Message):
         out = {"v": SCHEMA_VERSION, "k": v.KIND}
         special = v.WIRE
@@ -756,8 +756,8 @@ def _check(wire: dict, cls: type[Message], checked: frozenset[str] = frozenset()
     built from valid values: only the checks of its fields are run, not the message's own),
     but for the fields named in `checked`."""
     try:
-        struct = msgspec.convert(wire, _STRUCTS[cls], strict=True)
-        for name, check in _UNCOMPILED[cls]:
+        struct = msgspec.convert(wire, _STRUCTS.get(cls, _ANY_KIND), strict=True)
+        for name, check in _UNCOMPILED[_COMPILED[type(struct)]]:
             if name not in checked:
                 _CHECK_ONLY.get(check, check)(getattr(struct, name), name)  # type: ignore[arg-type]
     except _REFUSED:

@@ -3,8 +3,11 @@
 The main loop reads `work` through `WORK_GROUP` with COUNT = free slots (a freed slot is
 refilled at once) and starts one session thread per entry; a sync source runs in that
 thread, an async source (`arun`) on the consumer's event loop while the thread waits for
-it. A listener thread follows `control` (cancels; every consumer sees every entry) and
-`weights` (the served version `SessionRequest.served_version()` returns) with XREAD.
+it. A sync source whose sessions never wait (`inline = True`, `runs_inline`: a stand-in of
+zero-length sessions) runs on the main loop instead, the sessions of one read one after
+another, their results committed together: no thread hand-off per session. A listener
+thread follows `control` (cancels; every consumer sees every entry) and `weights` (the
+served version `SessionRequest.served_version()` returns) with XREAD.
 
 Owning work: a work entry is this consumer's while it is pending under its name in
 `WORK_GROUP`. Every `lease_s / 3` the consumer re-claims all of its entries (XCLAIM, min-idle
@@ -62,6 +65,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import redis
@@ -80,7 +84,7 @@ from pipeline.redis_io import (
     parse_id,
     text,
 )
-from pipeline.sessions import Session, SessionRequest, Status, is_async_source
+from pipeline.sessions import Session, SessionRequest, Status, is_async_source, runs_inline
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +156,8 @@ class _GroupCommit:
     hands the next commit, of everything queued meanwhile, to the first of the rest. An
     idle consumer thus commits each result at once, a busy one one transaction per round
     trip instead of one per session; only the threads whose turn it is wake. `publish`
-    returns once its publication is committed; it raises what the commit raised."""
+    returns once its publications (queued together, so committed together) are committed;
+    it raises what the commit raised."""
 
     def __init__(self, commit: Callable[[Sequence[_Publication]], None]) -> None:
         self._commit = commit
@@ -160,9 +165,9 @@ class _GroupCommit:
         self._queue: list[_Publication] = []
         self._busy = False
 
-    def publish(self, p: _Publication) -> None:
+    def publish(self, p: _Publication, *more: _Publication) -> None:
         with self._lock:
-            self._queue.append(p)
+            self._queue.extend((p, *more))
             lead, self._busy = not self._busy, True
         if not lead:
             p.wake.acquire()  # committed, or handed the next commit
@@ -241,6 +246,7 @@ class RolloutConsumer:
         self.keys = Keys(config.redis.namespace)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.is_async = is_async_source(source)
+        self.inline = runs_inline(source)
         # a blocking read must not outlast a lease renewal period
         self.block_ms = max(1, min(config.block_ms, int(config.lease_s * 1000 / 6)))
         self.stats: Counter[str] = Counter()
@@ -389,6 +395,9 @@ class RolloutConsumer:
             for o in owned:
                 self._release(o)
             raise
+        if self.inline:
+            self._run_inline([o for o in owned if o not in skipped])
+            return
         for o in owned:
             if o not in skipped:
                 self._sessions.start(o)
@@ -479,22 +488,35 @@ class RolloutConsumer:
 
     def _session(self, o: _Owned) -> None:
         """Run one session and publish its result (in its own thread)."""
+        session, error = self._outcome(o)
+        self._publish((o, session, error, time.time()))
+
+    def _run_inline(self, owned: Sequence[_Owned]) -> None:
+        """Run the sessions of a source that never waits (`runs_inline`) one after another
+        on this thread, and publish their results in one commit."""
+        ended = []
+        for o in owned:
+            session, error = self._outcome(o)
+            ended.append((o, session, error, time.time()))
+        self._publish(*ended)
+
+    def _outcome(self, o: _Owned) -> tuple[Session, str | None]:
+        """Run one session: its Session, and the traceback of a source that raised."""
         o.started = time.time()
         try:
             session = self._call_source(o)
             if not isinstance(session, Session):
                 raise TypeError(f"the source returned {type(session).__name__}, not a Session")
-            error = None
+            return session, None
         except RETRYABLE as exc:  # its own Redis (the weights) unreachable: an outage, not a bug
             log.warning("consumer %s: the source lost Redis on %s (%s: %s); the attempt fails as "
                         "infra_error", self.name, _member(o.work), type(exc).__name__, exc)
             self.stats["source_outages"] += 1
-            error, session = None, Session(Status.INFRA_ERROR)
+            return Session(Status.INFRA_ERROR), None
         except Exception:  # a broken source: the step fails with its traceback
             error = traceback.format_exc()
             log.error("consumer %s: the source raised on %s:\n%s", self.name, _member(o.work), error)
-            session = Session(Status.INFRA_ERROR)
-        self._publish(o, session, error)
+            return Session(Status.INFRA_ERROR), error
 
     def _request(self, o: _Owned, cancelled: Any) -> SessionRequest:
         w = o.work
@@ -512,17 +534,19 @@ class RolloutConsumer:
             o.aevent.set()
         return await self.source.arun(self._request(o, o.aevent))
 
-    def _publish(self, o: _Owned, session: Session, error: str | None) -> None:
-        """Append the result and acknowledge the work entry in one transaction (once)."""
-        if not o.claim_publication():
+    def _publish(self, *ended: tuple[_Owned, Session, str | None, float]) -> None:
+        """Append the results of sessions that ended (each with its traceback, if any, and
+        its finish time) and acknowledge their work entries in one transaction (each once)."""
+        ended = tuple(e for e in ended if e[0].claim_publication())
+        if not ended:
             return
-        finished = time.time()
         # encoded by the thread that commits the batch: one thread at a time encodes, as
         # many numpy calls release the GIL and sessions encoding at once would contend for it
-        self._publisher.publish(_Publication(o, None, None, encode=lambda: self._result_fields(
-            o, session, error, finished)))
-        self.stats[f"results_{session.status.value}"] += 1
-        self._release(o)
+        self._publisher.publish(*(_Publication(o, None, None, encode=partial(
+            self._result_fields, o, session, error, finished)) for o, session, error, finished in ended))
+        for o, session, _, _ in ended:
+            self.stats[f"results_{session.status.value}"] += 1
+            self._release(o)
 
     def _commit(self, batch: Sequence[_Publication]) -> None:
         """Append the results of `batch` and acknowledge their work entries in ONE
@@ -646,7 +670,7 @@ class RolloutConsumer:
         for o in list(self._owned.values()):
             log.warning("consumer %s: session %s is stuck; handing it back cancelled", self.name,
                         _member(o.work))
-            self._publish(o, Session(Status.CANCELLED), None)
+            self._publish((o, Session(Status.CANCELLED), None, time.time()))
 
     def _wait_owned(self, seconds: float) -> None:
         end = time.monotonic() + seconds

@@ -89,59 +89,49 @@ class Chain:
 
 
 class _ChainBuilder:
-    """Accumulates the pieces of one chain; concatenates once at the end (no quadratic copy)."""
+    """Accumulates the pieces of one chain; fills each array once at the end (no quadratic copy)."""
 
     def __init__(self) -> None:
         self.tokens: list[np.ndarray] = []
-        self.loss: list[np.ndarray] = []
-        self.logprobs: list[np.ndarray] = []
-        self.versions: list[np.ndarray] = []
-        self.support: list[np.ndarray | None] = []
-        self.calls = 0
+        self.calls_at: list[tuple[int, Call]] = []  # each completion's first token, its call
+        self.length = 0
         self.call_tokens = 0
 
     def add_prompt(self, ids: np.ndarray) -> None:
-        n = len(ids)
         self.tokens.append(ids)
-        self.loss.append(np.zeros(n, dtype=bool))
-        self.logprobs.append(np.zeros(n, dtype=LOGPROB_DTYPE))
-        self.versions.append(np.full(n, NO_VERSION, dtype=VERSION_DTYPE))
-        self.support.append(None)
+        self.length += len(ids)
 
     def add_completion(self, call: Call) -> None:
-        n = len(call.completion_ids)
-        self.tokens.append(np.asarray(call.completion_ids))
-        self.loss.append(np.ones(n, dtype=bool))
-        self.logprobs.append(np.asarray(call.logprobs))
-        self.versions.append(np.full(n, call.version, dtype=VERSION_DTYPE))
-        self.support.append(call.support)
-        self.calls += 1
-        self.call_tokens += len(call.prompt_ids) + n
+        self.calls_at.append((self.length, call))
+        self.add_prompt(np.asarray(call.completion_ids))
+        self.call_tokens += len(call.prompt_ids) + len(call.completion_ids)
 
     def build(self) -> Chain:
+        n = self.length
+        logprobs_n = n - sum(len(call.completion_ids) - len(call.logprobs) for _, call in self.calls_at)
+        if logprobs_n != n:  # a call changed after it was made
+            raise ValueError(f"Chain.logprobs has shape ({logprobs_n},), expected ({n},)")
         tokens = np.concatenate(self.tokens).astype(TOKEN_DTYPE, copy=False)
-        return Chain(
-            tokens=tokens,
-            loss_mask=np.concatenate(self.loss),
-            logprobs=np.concatenate(self.logprobs).astype(LOGPROB_DTYPE, copy=False),
-            versions=np.concatenate(self.versions),
-            support=self._support(),
-            calls=self.calls,
-            call_tokens=self.call_tokens,
-        )
+        loss_mask = np.zeros(n, dtype=bool)
+        logprobs = np.zeros(n, dtype=LOGPROB_DTYPE)
+        versions = np.full(n, NO_VERSION, dtype=VERSION_DTYPE)
+        for start, call in self.calls_at:
+            end = start + len(call.completion_ids)
+            loss_mask[start:end] = True
+            logprobs[start:end] = call.logprobs
+            versions[start:end] = call.version
+        return Chain(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, versions=versions,
+                     support=self._support(), calls=len(self.calls_at), call_tokens=self.call_tokens)
 
     def _support(self) -> np.ndarray | None:
-        widths = [s.shape[1] for s in self.support if s is not None]
+        widths = [call.support.shape[1] for _, call in self.calls_at if call.support is not None]
         if not widths:
             return None
-        k = max(widths)
-        pieces = []
-        for tok, sup in zip(self.tokens, self.support, strict=True):
-            block = np.full((len(tok), k), -1, dtype=TOKEN_DTYPE)
-            if sup is not None:
-                block[:, : sup.shape[1]] = sup
-            pieces.append(block)
-        return np.concatenate(pieces)
+        support = np.full((self.length, max(widths)), -1, dtype=TOKEN_DTYPE)
+        for start, call in self.calls_at:
+            if call.support is not None:
+                support[start:start + len(call.completion_ids), : call.support.shape[1]] = call.support
+        return support
 
 
 def _extends(call: Call, prev: Call) -> bool:

@@ -47,13 +47,16 @@ class Task:
         return hash(self.id)
 
 
+_MAX_TOKEN = int(np.iinfo(TOKEN_DTYPE).max)
+
+
 def _tokens(name: str, values: Any) -> np.ndarray:
     raw = np.asarray(values)
     if raw.size and raw.dtype.kind not in "iu":
         raise TypeError(f"Call.{name} must hold integer token ids, got dtype {raw.dtype}")
     if raw.ndim != 1:
         raise ValueError(f"Call.{name} must be one-dimensional, got shape {raw.shape}")
-    if raw.size and (raw.min() < 0 or raw.max() > np.iinfo(TOKEN_DTYPE).max):
+    if raw.size and (raw.min() < 0 or (not np.can_cast(raw.dtype, TOKEN_DTYPE) and raw.max() > _MAX_TOKEN)):
         raise ValueError(f"Call.{name} holds token ids outside [0, 2**31)")
     return np.ascontiguousarray(raw, dtype=TOKEN_DTYPE)
 
@@ -62,7 +65,8 @@ def _logprobs(values: Any) -> np.ndarray:
     arr = np.ascontiguousarray(np.asarray(values, dtype=LOGPROB_DTYPE))
     if arr.ndim != 1:
         raise ValueError(f"Call.logprobs must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not (np.isfinite(arr).all() and arr.max() <= LOGPROB_EPSILON):
+    # max is NaN when any is NaN, and min catches -inf
+    if arr.size and not (arr.max() <= LOGPROB_EPSILON and arr.min() > -np.inf):
         raise ValueError("Call.logprobs must be finite log-probabilities (<= 0)")
     return arr
 
@@ -186,7 +190,16 @@ class AsyncSessionSource(Protocol):
 SessionSource = Union[SyncSessionSource, AsyncSessionSource]
 """A source implements `run(request) -> Session` or `async arun(request) -> Session`. A
 source that samples from a filtered support (top-k/top-p) and reports `Call.support` sets
-the class attribute `filtered = True`; the scheduler then requires `support_capacity`."""
+the class attribute `filtered = True`; the scheduler then requires `support_capacity`. A
+sync source whose `run` never waits (no I/O, no sleep: microseconds of CPU, such as a
+stand-in of zero-length sessions) may set `inline = True` (`runs_inline`): the rollout
+consumer then runs its sessions on the thread that reads the work instead of a thread each,
+so a session holds up the reading of work and the lease renewals while it runs."""
+
+
+def runs_inline(source: object) -> bool:
+    """True for a sync source that declares its sessions never wait (`inline = True`)."""
+    return getattr(source, "inline", False) is True and not is_async_source(source)
 
 
 def is_async_source(source: object) -> bool:

@@ -321,16 +321,19 @@ def _flat(v: Any, path: str, dtype: np.dtype) -> np.ndarray:
 
 
 def _chains_wire(chains: Any) -> Any:
-    """The wire form `_chains` reads (anything but chains is left for the checks to refuse)."""
+    """The wire form `_chains` reads (anything but chains is left for the checks to refuse).
+    Chains `Result.from_session` merged (`_CHECKED`) hold what decoding puts back off the
+    loss tokens by construction: that is not compared again."""
     if not isinstance(chains, (list, tuple)) or not all(isinstance(c, Chain) for c in chains):
         return _wire(chains)
     arrays = chains_to_arrays(chains)
     loss = arrays["loss_mask"]
-    off_loss = ~loss
-    off = {"logprobs": 0, "versions": NO_VERSION, "support": -1}
-    for name, value in off.items():  # what the wire leaves out must be what decoding puts back
-        if name in arrays and (arrays[name][off_loss] != value).any():
-            raise SchemaError(f"chains.{name}", f"must be {value} off loss tokens")
+    if not all(c.__dict__.get(_CHECKED) for c in chains):
+        off_loss = ~loss
+        off = {"logprobs": 0, "versions": NO_VERSION, "support": -1}
+        for name, value in off.items():  # what the wire leaves out must be what decoding puts back
+            if name in arrays and (arrays[name][off_loss] != value).any():
+                raise SchemaError(f"chains.{name}", f"must be {value} off loss tokens")
     versions = arrays["versions"][loss]
     if versions.size and versions[0] == versions[-1] and (versions == versions[0]).all():
         runs = np.array([len(versions)])  # one version served every loss token (usually)
@@ -521,10 +524,29 @@ class Result(_SampleMessage):
     @classmethod
     def from_session(cls, shard: int, epoch: int, group: int, sample: int, attempt: int,
                      session: Session, consumer: str, error: str | None = None) -> Result:
-        """The result of a session: its calls merged into chains (`merge_calls`)."""
-        return cls(shard, epoch, group, sample, attempt, consumer, session.status, session.reward,
-                   dict(session.components), tuple(merge_calls(session.calls)), session.truncation,
-                   dict(session.timings), error)
+        """The result of a session: its calls merged into chains (`merge_calls`). The calls
+        were checked when made, but a source may change them after: the merged chains' values
+        are checked here, once, for what decoding refuses of them (a SchemaError naming the
+        field, as `encode` would raise), so that `encode` does not check them again (their
+        arrays are not to be changed in place after this)."""
+        result = cls(shard, epoch, group, sample, attempt, consumer, session.status, session.reward,
+                     dict(session.components), tuple(merge_calls(session.calls)), session.truncation,
+                     dict(session.timings), error)
+        chains = [c for c in result.chains if len(c)]
+        if any(c.support is not None for c in chains):
+            return result  # sampling support: `encode` checks the chains (rare; not worth a copy here)
+        if chains and min(int(c.tokens.min()) for c in chains) < 0:
+            low = min(int(c.tokens.min()) for c in chains)
+            raise SchemaError("chains.tokens", f"token ids must be >= 0, got {low}")
+        if not all(c.logprobs.max() <= LOGPROB_EPSILON and c.logprobs.min() > -np.inf for c in chains):
+            raise SchemaError("chains.logprobs", "must be finite and <= 0")  # max is NaN if any is
+        # every loss token's version is its call's (`merge_calls`)
+        versions = [call.version for call in session.calls if len(call.completion_ids)]
+        if versions and min(versions) < 0:
+            raise SchemaError("chains.versions", f"must be >= 0, got {min(versions)}")
+        for c in result.chains:
+            object.__setattr__(c, _CHECKED, True)
+        return result
 
     @property
     def oldest_version(self) -> int | None:
@@ -661,6 +683,8 @@ def _wire(v: Any, depth: int = 0) -> Any:
     """Python value -> msgpack-ready value (the checkers then validate it)."""
     if depth > 2 * _MAX_DEPTH:
         raise SchemaError("message", "nested too deeply")
+    if v is None or type(v) in _SCALARS:
+        return v
     if isinstance(v, Message):
         out = {"v": SCHEMA_VERSION, "k": v.KIND}
         special = v.WIRE
@@ -692,6 +716,8 @@ def _wire(v: Any, depth: int = 0) -> Any:
 
 
 _SCALARS = frozenset({int, float, str, bytes, bool})  # wire values as they are
+_MERGED = frozenset({"chains"})  # a Result's fields `from_session` checked
+_CHECKED = "_checked_by_from_session"  # the attribute that marks a Chain `from_session` checked
 _TRUSTED = (Work, Cancel)
 
 
@@ -722,15 +748,18 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
 
 
 _CHECK_ONLY = {_chains: _chain_parts}  # what `_check` runs in place of a checker that builds
+_STRUCTS = {cls: struct for struct, cls in _COMPILED.items()}  # converting to one kind's is ~10x faster
 
 
-def _check(wire: dict) -> None:
-    """Refuse what `decode` would refuse of `wire`, the wire form of a message (so built
-    from valid values: only the checks of its fields are run, not the message's own)."""
+def _check(wire: dict, cls: type[Message], checked: frozenset[str] = frozenset()) -> None:
+    """Refuse what `decode` would refuse of `wire`, the wire form of a `cls` message (so
+    built from valid values: only the checks of its fields are run, not the message's own),
+    but for the fields named in `checked`."""
     try:
-        struct = msgspec.convert(wire, _ANY_KIND, strict=True)
+        struct = msgspec.convert(wire, _STRUCTS.get(cls, _ANY_KIND), strict=True)
         for name, check in _UNCOMPILED[_COMPILED[type(struct)]]:
-            _CHECK_ONLY.get(check, check)(getattr(struct, name), name)  # type: ignore[arg-type]
+            if name not in checked:
+                _CHECK_ONLY.get(check, check)(getattr(struct, name), name)  # type: ignore[arg-type]
     except _REFUSED:
         _parse(wire)  # raises the SchemaError naming the field
 
@@ -749,7 +778,9 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
                         f"not {msg.KIND}")
     wire = _wire(msg)
     if not trusted:
-        _check(wire)
+        merged = isinstance(msg, Result) and isinstance(msg.chains, tuple) and all(
+            isinstance(c, Chain) and c.__dict__.get(_CHECKED) for c in msg.chains)
+        _check(wire, type(msg), _MERGED if merged else frozenset())
     try:
         data = msgpack.packb(wire, use_bin_type=True)
     except Exception as exc:  # noqa: BLE001 (a str that is not UTF-8, and the like)

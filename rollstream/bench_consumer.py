@@ -3,9 +3,10 @@
 The work stream of a fresh namespace is pre-filled with N encoded `wire.Work` entries; an
 in-process `RolloutConsumer` (`--slots` slots) runs them with a `SleepSource` of zero-length
 sessions (`median_s` 0) that return 1k-token results (`--prompt` prompt plus
-`--completion` completion tokens, one call): reading, decoding and owning the work, one
-thread per session, the result merged, checked, encoded (by the thread that commits it),
-appended and the work acknowledged in one transaction, lease renewals and heartbeats. The
+`--completion` completion tokens, one call): reading, decoding and owning the work, the
+sessions (which never wait, so the consumer runs them on its main loop: `runs_inline`), the
+result merged, checked, encoded, appended and the work acknowledged in one transaction per
+read, lease renewals and heartbeats. The
 time until N results are committed (the consumer's own counts, read in process; then
 checked on the results stream) gives sessions per second.
 

@@ -6,7 +6,13 @@ drawn from `status_mix` with a reward in [0, 1]. Call k's prompt extends call k-
 and completion, so the calls merge into one chain. Every call carries the version the
 engines serve when it is made. Cancellation is honoured within a few milliseconds: the
 source waits on the request's cancel event rather than sleeping. `median_s` 0 gives
-sessions of zero length (`rollstream bench consumer`).
+sessions of zero length (`rollstream bench consumer`), which never wait: the source is then
+`inline` (`pipeline.sessions.runs_inline`), run by the consumer on its reading thread.
+
+Tokens and log-probs are windows of two pools drawn once, from `seed`, when the source is
+built (`POOL` entries plus the longest draw): a session copies a window at an offset drawn
+from its request's generator, so a 1k-token session costs a few microseconds, and the same
+seed and request give the same session.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import numpy as np
 from pipeline.sessions import Call, Session, SessionRequest, Status
 
 _POLL_S = 0.01
+POOL = 1 << 16
+"""Entries of the token and log-prob pools beyond the longest draw."""
 
 
 def wait_cancelled(request: SessionRequest, seconds: float) -> bool:
@@ -61,6 +69,11 @@ class SleepSource:
         self.calls, self.prompt_tokens, self.completion_tokens = calls, prompt_tokens, completion_tokens
         self.vocab = vocab
         self.seed = seed
+        self.inline = median_s == 0  # a session never waits: no thread of its own
+        draws = np.random.default_rng(seed)
+        size = POOL + max(prompt_tokens, completion_tokens)
+        self._tokens = draws.integers(0, vocab, size, dtype=np.int32)
+        self._logprobs = -(draws.random(size, dtype=np.float32) * 2.0)
 
     def _rng(self, task_id: str, group: int, sample: int, attempt: int) -> random.Random:
         """An attempt's generator: with a `seed`, a function of the attempt alone."""
@@ -81,22 +94,26 @@ class SleepSource:
     def run(self, request: SessionRequest) -> Session:
         rng = self._rng(request.task.id, request.group, request.sample, request.attempt)
         duration = self.duration_s(rng)  # first, as `duration_for` draws it
-        # the tokens and log-probs drawn by numpy, seeded from the request's generator: a
-        # 1k-token session costs microseconds, not the milliseconds of a draw per token
-        draws = np.random.default_rng(rng.getrandbits(64))
         started = time.time()
         calls: list[Call] = []
-        prompt = draws.integers(0, self.vocab, self.prompt_tokens, dtype=np.int32)
-        for _ in range(self.calls):
+        prompt = self._window(rng, self._tokens, self.prompt_tokens)
+        for k in range(self.calls):
             if wait_cancelled(request, duration / self.calls):
                 return Session(Status.CANCELLED, calls=calls, timings=self._timings(started))
-            completion = draws.integers(0, self.vocab, self.completion_tokens, dtype=np.int32)
-            logprobs = -(draws.random(self.completion_tokens, dtype=np.float32) * 2.0)
+            completion = self._window(rng, self._tokens, self.completion_tokens)
+            logprobs = self._window(rng, self._logprobs, self.completion_tokens)
             calls.append(Call(prompt, completion, logprobs, request.served_version()))
-            prompt = np.concatenate([prompt, completion, draws.integers(0, self.vocab, 4, dtype=np.int32)])
+            if k + 1 < self.calls:  # the next call's prompt: this one's, its completion, 4 more
+                prompt = np.concatenate([prompt, completion, self._window(rng, self._tokens, 4)])
         status = rng.choices(self.statuses, self.weights)[0]
         reward = None if status in (Status.INFRA_ERROR, Status.CANCELLED) else rng.random()
         return Session(status, reward, calls=calls, timings=self._timings(started))
+
+    @staticmethod
+    def _window(rng: random.Random, pool: np.ndarray, n: int) -> np.ndarray:
+        """A copy of `n` consecutive entries of `pool`, at an offset drawn from `rng`."""
+        start = rng.randrange(len(pool) - n + 1)
+        return pool[start:start + n].copy()
 
     @staticmethod
     def _timings(started: float) -> dict[str, float]:

@@ -741,3 +741,33 @@ def test_fuzz_truncation_and_bit_flips(msg, data):
         decodes_or_refuses(bytes(encoded))
     else:
         refused(bytes(encoded[:i]), "message")
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda c: c.logprobs.__setitem__(0, 0.5), "chains.logprobs"),
+    (lambda c: c.logprobs.__setitem__(0, np.nan), "chains.logprobs"),
+    (lambda c: c.completion_ids.__setitem__(0, -7), "chains.tokens"),
+    (lambda c: setattr(c, "version", -2), "chains.versions"),
+])
+def test_from_session_refuses_what_encode_refuses_of_calls_changed_after_making(change, field):
+    """Calls are checked when made; `from_session` checks the merged chains once more (a
+    source may change its calls after), so that `encode` need not check them again: the
+    refusal is the one `encode` gives of the same chains built any other way."""
+    made = call()
+    change(made)
+    session = Session(Status.COMPLETED, 1.0, calls=[made])
+    with pytest.raises(SchemaError) as from_session:
+        Result.from_session(0, 0, 0, 0, 0, session, "c")
+    built = Result(0, 0, 0, 0, 0, "c", Status.COMPLETED, 1.0, chains=tuple(merge_calls([made])))
+    with pytest.raises(SchemaError) as encoded:
+        encode(built)
+    assert from_session.value.field == encoded.value.field == field
+    assert str(from_session.value) == str(encoded.value)
+
+
+def test_a_merged_result_encodes_as_one_built_from_the_same_chains():
+    session = Session(Status.COMPLETED, 0.5, {"x": 1.0}, [call(), call(version=3)], None, {"run_s": 2.0})
+    merged = Result.from_session(0, 1, 2, 3, 4, session, "c")
+    built = Result(0, 1, 2, 3, 4, "c", Status.COMPLETED, 0.5, {"x": 1.0}, tuple(merge_calls(session.calls)),
+                   None, {"run_s": 2.0})
+    assert encode(merged) == encode(built) and decode(encode(merged)) == merged

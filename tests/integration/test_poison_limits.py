@@ -24,7 +24,7 @@ from pipeline import wire
 from pipeline.chains import merge_calls
 from pipeline.metrics import Metrics
 from pipeline.sessions import Call, Status, Task
-from tests.integration.helpers import Trainer, admitted_tasks, resubmitted
+from tests.integration.helpers import Trainer, admitted_tasks, resubmitted, wait_until
 
 LIMIT = 32 * 1024  # max_message_bytes of every process here
 VOCAB = 1000
@@ -219,6 +219,9 @@ def test_over_long_unscored_and_unpackable_rollouts_are_handled_and_visible(thre
     assert len(second.packed) == 1 and refused_group[0] not in second.packed
     assert second.refused_groups[0][1].startswith("group of")
     assert _dead(r, keys) == {}  # none of it is poison
+    # the metrics count what a transaction committed, after its EXEC: the step's Ready can
+    # reach the trainer a moment before the admission thread counts it
+    wait_until(lambda: _family(metrics, "rollstream_groups_refused") >= 1, 5.0, "groups_refused counted")
     assert _family(metrics, "rollstream_rollouts_overlong") == 1
     assert _family(metrics, "rollstream_groups_refused") == 1
     # the over-long sample trains under the policy: masked, or on its verifier reward

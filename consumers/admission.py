@@ -476,7 +476,7 @@ class Admission:
             txn.pipe.hset(self.keys.held(self.shard), mapping=held)
         for (stream, group), ids in txn.acks.items():
             streams.ack(txn.pipe, stream, group, *ids)
-        snapshot = self._since_snapshot + txn.transitions >= self.snapshot_every
+        snapshot = self._since_snapshot + txn.transitions >= self._snapshot_interval()
         if snapshot:  # it covers this transaction's events too
             txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
             txn.pipe.delete(self.keys.journal(self.shard))
@@ -490,6 +490,13 @@ class Admission:
                 observe(self.metrics)
             self.metrics.set_in_flight(self.shard, self.sched.in_flight)
         return txn.transitions
+
+    def _snapshot_interval(self) -> int:
+        """Transitions between snapshots: `snapshot_every`, or the samples in flight when
+        there are more. A snapshot's size grows with the machine (every sample in flight is
+        in it), so this bounds its cost per transition to about one sample's; the journal a
+        recovery replays stays bounded by the same number of transitions."""
+        return max(self.snapshot_every, self.sched.in_flight)
 
     def _execute(self, txn: _Txn) -> None:
         """EXEC under the fencing token. A refused EXEC is `Fenced` when the token changed;

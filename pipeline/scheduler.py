@@ -305,6 +305,12 @@ class Scheduler:
         return len(self._running)
 
     @property
+    def tracked_samples(self) -> int:
+        """Samples of the groups the machine tracks (running, admitting or awaiting their
+        step): what the size of its snapshot grows with."""
+        return sum(len(group.samples) for group in self._groups.values())
+
+    @property
     def pending_step(self) -> int | None:
         """The step the trainer waits for, if any."""
         return self._pending

@@ -492,11 +492,12 @@ class Admission:
         return txn.transitions
 
     def _snapshot_interval(self) -> int:
-        """Transitions between snapshots: `snapshot_every`, or the samples in flight when
-        there are more. A snapshot's size grows with the machine (every sample in flight is
-        in it), so this bounds its cost per transition to about one sample's; the journal a
-        recovery replays stays bounded by the same number of transitions."""
-        return max(self.snapshot_every, self.sched.in_flight)
+        """Transitions between snapshots: `snapshot_every`, or the samples the machine
+        tracks when there are more. A snapshot's size grows with them (every sample of
+        every group running, admitting or awaiting its step is in it), so this bounds its
+        cost per transition to about one sample's; the journal a recovery replays stays
+        bounded by the same number of transitions."""
+        return max(self.snapshot_every, self.sched.tracked_samples)
 
     def _execute(self, txn: _Txn) -> None:
         """EXEC under the fencing token. A refused EXEC is `Fenced` when the token changed;

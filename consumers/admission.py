@@ -288,6 +288,7 @@ class Admission:
     def _rebuild(self) -> None:
         self.sched, self._since_snapshot = journal.load(
             self.r, self.keys, self.shard, self.config.scheduler)
+        self._snapshot_after = self._snapshot_interval()
         self._held: dict[tuple[int, int], set[str]] = defaultdict(set)
         # the held results this process decoded, by member: never trusted across a rebuild
         self._decoded: dict[str, Rollout] = {}
@@ -477,7 +478,7 @@ class Admission:
             txn.pipe.hset(self.keys.held(self.shard), mapping=held)
         for (stream, group), ids in txn.acks.items():
             streams.ack(txn.pipe, stream, group, *ids)
-        snapshot = self._since_snapshot + txn.transitions >= self._snapshot_interval()
+        snapshot = self._since_snapshot + txn.transitions >= self._snapshot_after
         if snapshot:  # it covers this transaction's events too
             txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
             txn.pipe.delete(self.keys.journal(self.shard))
@@ -486,6 +487,8 @@ class Admission:
         self.fence.renew_in(txn.pipe)
         self._execute(txn)
         self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions
+        if snapshot:
+            self._snapshot_after = self._snapshot_interval()
         if self.metrics is not None:
             for observe in txn.observe:
                 observe(self.metrics)
@@ -493,11 +496,12 @@ class Admission:
         return txn.transitions
 
     def _snapshot_interval(self) -> int:
-        """Transitions between snapshots: `snapshot_every`, or the samples the machine
-        tracks when there are more. A snapshot's size grows with them (every sample of
-        every group running, admitting or awaiting its step is in it), so this bounds its
-        cost per transition to about one sample's; the journal a recovery replays stays
-        bounded by the same number of transitions."""
+        """Transitions until the next snapshot, fixed at each snapshot and at a rebuild:
+        `snapshot_every`, or the samples the machine tracks then when there are more. A
+        snapshot's size grows with them (every sample of every group running, admitting or
+        awaiting its step is in it), so this bounds its cost per transition to about one
+        sample's; the journal a recovery replays stays bounded by the same number of
+        transitions."""
         return max(self.snapshot_every, self.sched.tracked_samples)
 
     def _execute(self, txn: _Txn) -> None:

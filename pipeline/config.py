@@ -226,8 +226,8 @@ class AdmissionConfig(_Model):
     trim_every_s: float = Field(10.0, gt=0)
     snapshot_every: int = Field(
         1000, ge=1, description="transitions between scheduler snapshots (each replaces the journal); "
-        "while the scheduler tracks more samples than this (its groups' running, admitted and "
-        "awaiting ones), that many transitions instead")
+        "when the last snapshot held more samples than this (the scheduler's groups' running, "
+        "admitted and awaiting ones), that many transitions instead")
     control_retention_s: float = Field(
         600.0, gt=0, description="age past which cancels leave the control stream and the cancelled set"
     )

@@ -537,7 +537,8 @@ class Result(_SampleMessage):
     def oldest_version(self) -> int | None:
         """The weight version of the oldest completion token (None without any): the
         rollout's staleness. A call that completed no token carries no version here."""
-        return min((int(c.versions[c.loss_mask].min()) for c in self.chains if c.loss_tokens), default=None)
+        served = [c.versions[c.loss_mask] for c in self.chains]
+        return min((int(_MIN(v)) for v in served if v.size), default=None)
 
     def rollout(self) -> Rollout:
         """What packing needs of this result (the chains as they are, no merge)."""

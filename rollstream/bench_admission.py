@@ -30,7 +30,8 @@ import json
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -82,10 +83,30 @@ def raw_floor(r, stream: str, group: str, sink: str, n: int, count: int,
 
 def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         completion: int = 768, width: int = 4096, seed: int = 0) -> dict:
-    from consumers.admission import Admission, collect_less, keep_freed_memory
+    with _collecting_less():
+        return _run(url, rollouts, admit, prompt, completion, width, seed)
+
+
+@contextmanager
+def _collecting_less() -> Iterator[None]:
+    """The garbage collector's settings of the admission process (`collect_less`) while the
+    loops run, Python's back after (this may run inside another program: the tests)."""
+    from consumers.admission import collect_less
+
+    threshold = gc.get_threshold()
+    collect_less()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+
+
+def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, width: int,
+         seed: int) -> dict:
+    from consumers.admission import Admission, keep_freed_memory
 
     kept = keep_freed_memory()  # as the admission process does at start (both loops run here)
-    collect_less()
 
     if rollouts % (GROUPS * admit):
         raise ValueError(f"rollouts={rollouts} must be a multiple of {GROUPS * admit}")

@@ -9,8 +9,10 @@ and replaying the journal in order, discarding the actions (their effects are al
 Redis). An input that was read but whose transition never committed is still pending in its
 consumer group and is processed again, as new.
 
-The journal is bounded by snapshots: every `snapshot_every` transitions the transaction also
-writes a fresh snapshot and deletes the journal (the snapshot covers it). A snapshot is
+The journal is bounded by snapshots: every `snapshot_every` transitions (or, when the last
+snapshot held more samples than that, as many transitions as it held samples: a snapshot's
+size grows with them) the transaction also writes a fresh snapshot and deletes the journal
+(the snapshot covers it). A snapshot is
 msgpack (`Scheduler.snapshot`), never pickle.
 
 Journal entries are msgpack maps `{"t": kind, "n": now, ...}` in one field `e`; a

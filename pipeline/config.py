@@ -224,7 +224,10 @@ class AdmissionConfig(_Model):
         "until its holder has not renewed it for this long, then takes the shard over (the first "
         "is fenced: its next transaction is refused and it stops)")
     trim_every_s: float = Field(10.0, gt=0)
-    snapshot_every: int = Field(1000, ge=1, description="transitions between scheduler snapshots")
+    snapshot_every: int = Field(
+        1000, ge=1, description="transitions between scheduler snapshots (each replaces the journal); "
+        "when the last snapshot held more samples than this (the scheduler's groups' running, "
+        "admitted and awaiting ones), that many transitions instead")
     control_retention_s: float = Field(
         600.0, gt=0, description="age past which cancels leave the control stream and the cancelled set"
     )

@@ -140,6 +140,22 @@ class PackedBatch:
     cut_groups: tuple[int, ...]
     refused: tuple[Refusal, ...]
     non_pad_share: float
+    # the non-padding cells of some `[rows, width]` arrays, row after row, and the tokens of
+    # each row, as `pack` had them before laying them out (`cells`, `row_tokens`)
+    _cells: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def row_tokens(self) -> list[int]:
+        """The non-padding tokens of each row (its chains fill it from column 0)."""
+        used = self._cells.get("row_tokens")
+        return list(used) if used is not None else np.count_nonzero(self.segments, axis=1).tolist()
+
+    def cells(self, name: str) -> np.ndarray:
+        """The non-padding cells of the `[rows, width, ...]` array `name`, row after row."""
+        cached = self._cells.get(name)
+        if cached is not None:
+            return cached
+        return _Layout(self.row_tokens, self.width).flat(getattr(self, name))
 
     @property
     def rows(self) -> int:
@@ -340,7 +356,8 @@ def _fill(
         "logprobs": (LOGPROB_DTYPE, 0, _cat([c.logprobs for c in chains], LOGPROB_DTYPE)),
         "versions": (np.int32, NO_VERSION, _cat([c.versions for c in chains], np.int32)),
     }
-    out = {name: layout.rows(np.asarray(flat, dtype), pad) for name, (dtype, pad, flat) in values.items()}
+    cells = {name: np.asarray(flat, dtype) for name, (dtype, pad, flat) in values.items()}
+    out = {name: layout.rows(cells[name], pad) for name, (_, pad, _) in values.items()}
     support = None
     if support_capacity is not None:
         support = layout.rows(_support_blocks(chains, support_capacity), -1)
@@ -353,6 +370,7 @@ def _fill(
         cut_groups=cut,
         refused=refused,
         non_pad_share=float(total / (rows * width)),
+        _cells={**cells, "row_tokens": tuple(layout.used)},
     )
 
 

@@ -99,10 +99,8 @@ def compact(packed: PackedBatch) -> dict[str, np.ndarray]:
     travels as 0 (`rollout_trained` says which rollouts train). ValueError when a chain
     carries a log-prob, version or support off its completion tokens (a `Result` cannot)."""
     rows, width = packed.tokens.shape
-    used = np.count_nonzero(packed.segments, axis=1).tolist()
-    layout = _Layout(used, width)
-    flat = {name: layout.flat(getattr(packed, name))
-            for name in ("tokens", "segments", "logprobs", "versions")}
+    used = packed.row_tokens
+    flat = {name: packed.cells(name) for name in ("tokens", "segments", "logprobs", "versions")}
     n_seg = packed.segment_group.shape[1]
     row_of = np.repeat(np.arange(rows, dtype=np.int64), used)
     keys = row_of * n_seg + flat["segments"]
@@ -135,7 +133,7 @@ def compact(packed: PackedBatch) -> dict[str, np.ndarray]:
     }
     out["rollout_reward"] = np.nan_to_num(out["rollout_reward"], nan=0.0)
     if packed.support is not None:
-        support = layout.flat(packed.support)
+        support = packed.cells("support")
         if (support[~completion] != -1).any():
             raise ValueError("a chain carries sampling support off its completion tokens")
         out["support"] = support[completion]

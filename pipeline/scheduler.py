@@ -305,6 +305,12 @@ class Scheduler:
         return len(self._running)
 
     @property
+    def tracked_samples(self) -> int:
+        """Samples of the groups the machine tracks (running, admitting or awaiting their
+        step): what the size of its snapshot grows with."""
+        return sum(len(group.samples) for group in self._groups.values())
+
+    @property
     def pending_step(self) -> int | None:
         """The step the trainer waits for, if any."""
         return self._pending
@@ -350,6 +356,10 @@ class Scheduler:
         self._tasks: deque[tuple[int, Task]] = deque()  # stream mode: tasks not yet drawn
         self._resubmit: deque[tuple[_Group, _Sample, str | None]] = deque()  # stream: awaiting credit
         self._complete: deque[int] = deque()  # stream mode: complete groups, in order
+        # stream mode: complete groups found fresh at update count `_lag_checked_at` (a
+        # cache of `_recheck_complete`, not state: a restored machine checks them again)
+        self._lag_checked_at: int | None = None
+        self._lag_checked: set[int] = set()
         self._dropped: list[DroppedGroup] = []  # stream mode: dropped since the last emission
         self._pending: int | None = None
         self._handover_at = 0.0
@@ -531,6 +541,18 @@ class Scheduler:
             if stale and group.complete:
                 group.complete = False
                 complete.remove(group.id)
+
+    def _recheck_complete(self, out: list[Action]) -> None:
+        """`_recheck_lag` of the complete groups (stream mode) not yet found fresh at the
+        trainer's current update count. A group found fresh stays fresh until a handover
+        changes the count (a sample admitted into it later was checked at the same count as
+        it was admitted), so each group is checked once per count, not once per event: the
+        actions are those of checking them all."""
+        if self._lag_checked_at != self.updates:
+            self._lag_checked_at, self._lag_checked = self.updates, set()
+        groups = [self._groups[g] for g in self._complete if g not in self._lag_checked]
+        self._recheck_lag(groups, self._complete, out)
+        self._lag_checked.update(g.id for g in groups if g.complete)
 
     def _cancel_stale_running(self, out: list[Action]) -> None:
         """Cancel running rollouts whose submission is already past the bound (their first
@@ -743,7 +765,7 @@ class Scheduler:
             del self._batches[step]
             dropped = batch.dropped
         else:
-            self._recheck_lag([self._groups[g] for g in self._complete], self._complete, out)
+            self._recheck_complete(out)
             target = self._admit_default
             drained = not self._running and not self._tasks and not self._resubmit
             if len(self._complete) < target and not drained:

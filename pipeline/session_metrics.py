@@ -99,7 +99,7 @@ def _latency(rollouts: Sequence[Rollout]) -> dict[str, float]:
 
 
 def _token_lag(packed: PackedBatch, updates: int) -> dict[str, float]:
-    versions = packed.versions[packed.loss_mask]
+    versions = packed.cells("versions")[packed.cells("loss_mask")]  # the padding has no loss
     if not versions.size:
         return {}
     lag = updates - versions.astype(np.int64)

@@ -199,8 +199,11 @@ def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray
     return np.frombuffer(v, dtype).reshape(shape).copy()
 
 
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # an array's min and max, without `ndarray.min`'s Python layer
+
+
 def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
-    if ids.size and ids.min() < low:
+    if ids.size and _MIN(ids, axis=None) < low:
         raise SchemaError(path, f"token ids must be >= {low}, got {ids.min()}")
     return ids
 
@@ -217,6 +220,8 @@ def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
 _CHAIN_DTYPES: dict[str, np.dtype] = {"lengths": np.dtype("<i4"), "calls": np.dtype("<i4"), "call_tokens": np.dtype("<i8"),
                  "tokens": TOKEN_DTYPE, "loss_mask": np.dtype("|u1"), "logprobs": LOGPROB_DTYPE,
                  "versions": VERSION_DTYPE, "version_runs": np.dtype("<i4")}
+_CHAIN_FIELDS = (*_CHAIN_DTYPES, "support")
+_CHAIN_KEYS = frozenset(_CHAIN_FIELDS)
 
 
 def _chains(v: Any, path: str) -> tuple[Chain, ...]:
@@ -230,8 +235,12 @@ def _chain_parts(v: Any, path: str) -> tuple:
     The per-chain arrays (a handful of entries) are checked as Python lists, the per-token
     ones with one numpy reduction per check: a result decodes in a few dozen numpy calls
     whatever its chain count (the admission consumer decodes every result once, on input)."""
-    d = _struct(v, path, (*_CHAIN_DTYPES, "support"))
-    a = {name: _flat(d[name], f"{path}.{name}", dtype) for name, dtype in _CHAIN_DTYPES.items()}
+    d = v if type(v) is dict and v.keys() == _CHAIN_KEYS else _struct(v, path, _CHAIN_FIELDS)
+    a = {}
+    for name, dtype in _CHAIN_DTYPES.items():
+        data = d[name]  # well-formed bytes viewed here, anything else refused by `_flat`
+        a[name] = (np.frombuffer(data, dtype) if type(data) is bytes and not len(data) % dtype.itemsize
+                   else _flat(data, f"{path}.{name}", dtype))
     lengths, calls, call_tokens = (a[name].tolist() for name in ("lengths", "calls", "call_tokens"))
     n = len(lengths)
     for name, values in (("calls", calls), ("call_tokens", call_tokens)):
@@ -259,7 +268,7 @@ def _chain_parts(v: Any, path: str) -> tuple:
     if len(logprobs) != n_loss:
         raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} entries for {n_loss} loss tokens")
     # max is NaN when any is NaN, and min catches -inf
-    if n_loss and not (logprobs.max() <= LOGPROB_EPSILON and logprobs.min() > -np.inf):
+    if n_loss and not (_MAX(logprobs) <= LOGPROB_EPSILON and _MIN(logprobs) > -np.inf):
         raise SchemaError(f"{path}.logprobs", "must be finite and <= 0")
     if len(runs) != len(versions):
         raise SchemaError(f"{path}.version_runs", f"{len(runs)} runs for {len(versions)} versions")
@@ -289,11 +298,9 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
     total = len(tokens)
     full_logprobs = np.zeros(total, LOGPROB_DTYPE)
     full_logprobs[loss] = logprobs
-    if len(versions) == 1:  # one version served every loss token (a single call, usually)
-        full_versions = np.where(loss, np.int32(versions[0]), np.int32(NO_VERSION)).astype(VERSION_DTYPE)
-    else:
-        full_versions = np.full(total, NO_VERSION, VERSION_DTYPE)
-        full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
+    full_versions = np.full(total, NO_VERSION, VERSION_DTYPE)
+    # one version served every loss token (a single call, usually), or one per run
+    full_versions[loss] = versions[0] if len(versions) == 1 else np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
     full_support = None
     if support is not None:
         full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
@@ -552,7 +559,8 @@ class Result(_SampleMessage):
     def oldest_version(self) -> int | None:
         """The weight version of the oldest completion token (None without any): the
         rollout's staleness. A call that completed no token carries no version here."""
-        return min((int(c.versions[c.loss_mask].min()) for c in self.chains if c.loss_tokens), default=None)
+        served = [c.versions[c.loss_mask] for c in self.chains]
+        return min((int(_MIN(v)) for v in served if v.size), default=None)
 
     def rollout(self) -> Rollout:
         """What packing needs of this result (the chains as they are, no merge)."""

@@ -17,18 +17,21 @@ same bytes to another stream (pipelined). Reported: both rates and their ratio,
 pack: every result here is packed), and the
 ratio of the two loops' client CPU seconds (`cpu_ratio`: steadier than wall time on a
 shared machine; Redis's own CPU is not counted). Both loops run in this process after
-`consumers.admission.keep_freed_memory()`, as the admission process runs. `--repeat N`
-runs both N times and reports the run with the median ratio, with every run's figures.
+`consumers.admission.keep_freed_memory()` and `collect_less()`, as the admission process
+runs. `--repeat N` runs both N times and reports the run with the median ratio, with every
+run's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -80,6 +83,27 @@ def raw_floor(r, stream: str, group: str, sink: str, n: int, count: int,
 
 def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         completion: int = 768, width: int = 4096, seed: int = 0) -> dict:
+    with _collecting_less():
+        return _run(url, rollouts, admit, prompt, completion, width, seed)
+
+
+@contextmanager
+def _collecting_less() -> Iterator[None]:
+    """The garbage collector's settings of the admission process (`collect_less`) while the
+    loops run, Python's back after (this may run inside another program: the tests)."""
+    from consumers.admission import collect_less
+
+    threshold = gc.get_threshold()
+    collect_less()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+
+
+def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, width: int,
+         seed: int) -> dict:
     from consumers.admission import Admission, keep_freed_memory
 
     kept = keep_freed_memory()  # as the admission process does at start (both loops run here)
@@ -163,7 +187,8 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         "ready_over_results": round(ready_bytes / payload_bytes, 4),
         "workload": {"rollouts": rollouts, "group_size": GROUPS, "tokens_per_rollout": prompt + completion,
                      "groups_per_step": admit, "steps": steps, "width": width, "rows": rows,
-                     "result_bytes_mean": round(payload_bytes / rollouts), "keep_freed_memory": kept},
+                     "result_bytes_mean": round(payload_bytes / rollouts), "keep_freed_memory": kept,
+                     "young_collection_every": gc.get_threshold()[0]},
         "admission": {"rollouts_per_s": round(adm_rate, 1), "seconds": round(admission_s, 3),
                       "cpu_s": round(admission_cpu_s, 3),
                       "steps_emitted": emitted, "held_after": held,

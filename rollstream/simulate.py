@@ -1,9 +1,10 @@
 """A discrete-event simulation of the scheduling core on a synthetic workload.
 
 The pure `Scheduler` runs against simulated rollout slots and a simulated trainer on a
-virtual clock: session durations are log-normal (heavy tail, capped), statuses follow a
-mix, and a cancelled session frees its slot at once (or, given `durations`, each attempt's
-own: `rollstream simulate --frontier` runs `SleepSource`'s, the bench's sessions). Nothing sleeps, so hundreds of steps
+virtual clock: session durations are log-normal (heavy tail, capped; or, given `durations`,
+a function of each attempt: `rollstream simulate --frontier` runs `SleepSource`'s, the
+bench's own sessions), statuses follow a mix, and a cancelled session frees its slot at
+once. Nothing sleeps, so hundreds of steps
 of a heavy-tailed workload run in a second; the records are exactly what the scheduler
 would report against real workers with the same timings.
 

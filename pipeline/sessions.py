@@ -65,13 +65,20 @@ def _logprobs(values: Any) -> np.ndarray:
     arr = np.ascontiguousarray(np.asarray(values, dtype=LOGPROB_DTYPE))
     if arr.ndim != 1:
         raise ValueError(f"Call.logprobs must be one-dimensional, got shape {arr.shape}")
-    # max is NaN when any is NaN, and min catches -inf
-    if arr.size and not (arr.max() <= LOGPROB_EPSILON and arr.min() > -np.inf):
+    if arr.size and not finite_logprobs(arr):
         raise ValueError("Call.logprobs must be finite log-probabilities (<= 0)")
     return arr
 
 
-LOGPROB_EPSILON = 1e-4
+LOGPROB_EPSILON = 1e-4  # log-probs may exceed 0 by this much (engine rounding), no more
+
+
+def finite_logprobs(arr: np.ndarray) -> bool:
+    """Whether a non-empty array holds finite log-probabilities, none above `LOGPROB_EPSILON`
+    (its max is NaN when any is NaN, and its min catches -inf; ufunc reductions, without
+    `ndarray.max`'s Python layer)."""
+    return bool(np.maximum.reduce(arr, axis=None) <= LOGPROB_EPSILON
+                and np.minimum.reduce(arr, axis=None) > -np.inf)
 
 
 @dataclass(eq=False)

@@ -41,7 +41,7 @@ from pipeline.config import MAX_MESSAGE_BYTES
 from pipeline.packing import Rollout
 from pipeline.ready import ReadyRecord, decode_record, record_builtins
 from pipeline.scheduler import CAUSES  # of a resubmission
-from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task
+from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task, finite_logprobs
 
 SCHEMA_VERSION = 2
 FIELD = b"m"  # the one field of a stream entry: the encoded message
@@ -49,7 +49,6 @@ DEAD_LETTER_BYTES = 64 * 1024  # how much of an undecodable entry a dead letter 
 # the dtypes a packed step's arrays may have: little-endian and numeric
 ARRAY_DTYPES = frozenset(
     {"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
-LOGPROB_EPSILON = 1e-4  # log-probs may exceed 0 by this much (engine rounding), no more
 _MAX_DEPTH = 32  # nesting of the free-form maps (task payloads, a step's record)
 _MAX_NDIM = 32
 _INT64 = 1 << 63
@@ -199,7 +198,7 @@ def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray
     return np.frombuffer(v, dtype).reshape(shape).copy()
 
 
-_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # an array's min and max, without `ndarray.min`'s Python layer
+_MIN = np.minimum.reduce  # an array's min, without `ndarray.min`'s Python layer
 
 
 def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
@@ -267,8 +266,7 @@ def _chain_parts(v: Any, path: str) -> tuple:
     logprobs, versions, runs = a["logprobs"], a["versions"].tolist(), a["version_runs"].tolist()
     if len(logprobs) != n_loss:
         raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} entries for {n_loss} loss tokens")
-    # max is NaN when any is NaN, and min catches -inf
-    if n_loss and not (_MAX(logprobs) <= LOGPROB_EPSILON and _MIN(logprobs) > -np.inf):
+    if n_loss and not finite_logprobs(logprobs):
         raise SchemaError(f"{path}.logprobs", "must be finite and <= 0")
     if len(runs) != len(versions):
         raise SchemaError(f"{path}.version_runs", f"{len(runs)} runs for {len(versions)} versions")
@@ -335,7 +333,7 @@ def _chains_wire(chains: Any) -> Any:
         return _wire(chains)
     arrays = chains_to_arrays(chains)
     loss = arrays["loss_mask"]
-    if not all(c.__dict__.get(_CHECKED) for c in chains):
+    if not _merged_checked(chains):
         off_loss = ~loss
         off = {"logprobs": 0, "versions": NO_VERSION, "support": -1}
         for name, value in off.items():  # what the wire leaves out must be what decoding puts back
@@ -542,11 +540,11 @@ class Result(_SampleMessage):
         chains = [c for c in result.chains if len(c)]
         if any(c.support is not None for c in chains):
             return result  # sampling support: `encode` checks the chains (rare; not worth a copy here)
-        if chains and min(int(c.tokens.min()) for c in chains) < 0:
-            low = min(int(c.tokens.min()) for c in chains)
+        low = min((int(_MIN(c.tokens)) for c in chains), default=0)
+        if low < 0:
             raise SchemaError("chains.tokens", f"token ids must be >= 0, got {low}")
-        if not all(c.logprobs.max() <= LOGPROB_EPSILON and c.logprobs.min() > -np.inf for c in chains):
-            raise SchemaError("chains.logprobs", "must be finite and <= 0")  # max is NaN if any is
+        if not all(finite_logprobs(c.logprobs) for c in chains):
+            raise SchemaError("chains.logprobs", "must be finite and <= 0")
         # every loss token's version is its call's (`merge_calls`)
         versions = [call.version for call in session.calls if len(call.completion_ids)]
         if versions and min(versions) < 0:
@@ -729,6 +727,12 @@ _CHECKED = "_checked_by_from_session"  # the attribute that marks a Chain `from_
 _TRUSTED = (Work, Cancel)
 
 
+def _merged_checked(chains: Any) -> bool:
+    """Whether `chains` are all chains `Result.from_session` merged and checked."""
+    return isinstance(chains, (list, tuple)) and all(
+        isinstance(c, Chain) and c.__dict__.get(_CHECKED) for c in chains)
+
+
 def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
     if not isinstance(d, dict):
         raise SchemaError("message", f"expected a map, got {_tn(d)}")
@@ -786,8 +790,7 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
                         f"not {msg.KIND}")
     wire = _wire(msg)
     if not trusted:
-        merged = isinstance(msg, Result) and isinstance(msg.chains, tuple) and all(
-            isinstance(c, Chain) and c.__dict__.get(_CHECKED) for c in msg.chains)
+        merged = isinstance(msg, Result) and _merged_checked(msg.chains)
         _check(wire, type(msg), _MERGED if merged else frozenset())
     try:
         data = msgpack.packb(wire, use_bin_type=True)

@@ -144,6 +144,59 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
             "waste_share": round(waste, 4), "trained_length_vs_workload": round(trained_mean / mean, 4)}
 
 
+def _cutoffs(workload: dict, points: int = 400) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per attempt given up at age a (a geometric grid up to the longest session; the last
+    point never gives up): the age, busy slot-seconds E[min(d, a)], the chance it ends by
+    itself (1 - S(a)) and the slot-seconds it wastes (a * S(a))."""
+    median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
+    if sigma == 0:
+        return [median], [median], [1.0], [0.0]
+    ages = [median * cap * (1e-3 / cap) ** (1 - k / (points - 1)) for k in range(points)]
+    busy, ends, wasted = [], [], []
+    for a in ages:
+        longer = 0.0 if a >= cap * median else 0.5 * math.erfc(math.log(a / median) / (sigma * math.sqrt(2.0)))
+        busy.append(capped_lognormal_mean(median, sigma, min(a, cap * median) / median))
+        ends.append(1.0 - longer)
+        wasted.append(a * longer)
+    return ages, busy, ends, wasted
+
+
+def best_share(workload: dict, waste: float) -> dict:
+    """The largest share of the capacity bound that any policy which does not know a
+    session's length before it ends can train on `workload`'s sessions at a waste share of at
+    most `waste`, whatever its staleness bound, its run length and its use of the slots.
+
+    Every attempt's length is an independent draw the policy learns only as the attempt
+    ends, so whatever the policy does, the age at which it would give an attempt up if it
+    were still running is independent of that attempt's length: per attempt given up at age
+    a, it is busy E[min(d, a)] slot-seconds, ends by itself with probability 1 - S(a), and
+    wastes a * S(a). Over all its attempts a policy is a mixture of such cut-offs; a finished
+    attempt it does not train, a slot left idle and an attempt still running at the end only
+    lower its share (and the last two its waste share in proportion), and the share of a
+    mixture at a given waste share is largest with at most two cut-offs. So no policy trains
+    more than the best two-cut-off mixture whose waste share is `waste`; staleness can only
+    take from it (an unbiased policy's share is at most 1 - its waste share: above that, the
+    share comes from training the short sessions)."""
+    ages, busy, ends, wasted = _cutoffs(workload)
+    mean = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
+    best = (mean * ends[-1] / busy[-1], ages[-1], ages[-1], 1.0)  # never give up: share 1, no waste
+    for i in range(len(ages)):
+        over_i = wasted[i] - waste * busy[i]
+        if over_i <= 0:
+            best = max(best, (mean * ends[i] / busy[i], ages[i], ages[i], 1.0))
+            continue
+        for j in range(len(ages)):  # mix i (over `waste`) with j (under) to meet it exactly
+            over_j = wasted[j] - waste * busy[j]
+            if over_j > 0:
+                continue
+            p = -over_j / (over_i - over_j)  # the weight of i
+            share = mean * (p * ends[i] + (1 - p) * ends[j]) / (p * busy[i] + (1 - p) * busy[j])
+            best = max(best, (share, ages[i], ages[j], p))
+    share, high, low, weight = best
+    return {"waste_share": waste, "share": round(share, 4), "give_up_at_s": [round(high, 4), round(low, 4)],
+            "weight_of_first": round(weight, 4)}
+
+
 def _wait_up(r, keys: Keys, procs: list[Process], consumers: int, timeout_s: float = 60.0) -> None:
     """Until the admission consumer recorded its config and every consumer its heartbeat."""
     deadline = time.monotonic() + timeout_s
@@ -402,6 +455,9 @@ def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
     if "batch" in policies:  # the least waste at batch's share: staleness from the start, steady pushes
         out["bound"] = {str(lag): least_waste_share(workload, lag, points[str(lag)]["batch"]["capacity_share"])
                         for lag in lags}
+        # the most any policy trains at half batch's waste share, whatever its staleness
+        out["best_share"] = {str(lag): best_share(workload, points[str(lag)]["batch"]["waste_share"] / 2)
+                             for lag in lags}
     return out
 
 
@@ -498,6 +554,10 @@ def format_frontier(result: dict) -> str:
         lines.append("least waste share at batch's share, staleness from the start, "
                      "steady pushes (trained length):")
         lines.append(f"{'bound':8s} " + " ".join(f"{c:>22s}" for c in cells))
+    if "best_share" in result:
+        cells = [f"{b['share']:.3f} at {b['waste_share']:.3f}" for b in result["best_share"].values()]
+        lines.append("the most any policy trains at half batch's waste share, whatever its staleness:")
+        lines.append(f"{'best':8s} " + " ".join(f"{c:>22s}" for c in cells))
     return "\n".join(lines)
 
 
@@ -646,10 +706,15 @@ def plot_frontier(result: dict, path: str | Path, simulated: dict | None = None)
         ax.scatter([], [], facecolors="none", edgecolors="k", label="hollow: simulated")
     ax.axhline(0.9, color="k", lw=0.7, ls=":")
     ax.axvline(0.10, color="k", lw=0.7, ls=":")
+    right = max([0.5] + [pr["waste_share"] for src in (result, simulated) if src
+                         for policies in src["frontier"].values() for pr in policies.values()])
+    wastes = [right * k / 40 for k in range(41)]
+    best = [best_share(result["workload"], x)["share"] for x in wastes]
+    ax.plot(wastes, best, color="0.5", lw=1, label="no policy above (best_share)")
     ax.set_xlabel("waste share (wasted / busy slot-seconds)")
     ax.set_ylabel("share of the capacity bound trained")
     ax.set_xlim(left=-0.01)
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, max(1.05, max(best) + 0.03))
     ax.legend(fontsize=7, loc="lower right", ncol=2)
     w = result["workload"]
     ax.set_title(f"frontier: {w['slots']} slots, median {w['median_ms']:g} ms (sigma {w['sigma']:g}), "

@@ -193,7 +193,8 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="one JSON record per line")
     sim.add_argument("--frontier", action="store_true",
                      help="bench schedule's workload, every policy at max_lag 1, 2, 4 (one JSON), and "
-                          "the least-waste bound at batch's share")
+                          "the least-waste bound at batch's share, and the most any policy "
+                          "trains at half batch's waste share")
     sim.add_argument("--median-ms", type=float, help="--frontier: median session (default 20)")
     sim.add_argument("--policies", default="sync,group,batch,stream",
                      help="--frontier: comma-separated subset")

@@ -122,6 +122,37 @@ def test_the_least_waste_bound_matches_giving_up_at_the_window_on_sampled_sessio
     assert math.isclose(out["longer_than_window"], sum(d > a for d in lengths) / len(lengths), abs_tol=0.005)
 
 
+def _given_up_at(lengths, ages):
+    """Busy, ended-by-itself and wasted slot-seconds of sessions given up at `ages`."""
+    busy = sum(min(d, a) for d, a in zip(lengths, ages))
+    ended = sum(d <= a for d, a in zip(lengths, ages))
+    wasted = sum(a for d, a in zip(lengths, ages) if d > a)
+    return busy, ended, wasted
+
+
+def test_the_best_share_is_a_mixture_of_two_give_up_ages_met_on_sampled_sessions():
+    import random
+
+    w = bench_schedule.workload_for(False, median_ms=1000.0)
+    mean = bench_schedule.capped_lognormal_mean(1.0, 1.0, 20.0)
+    rng = random.Random(0)
+    lengths = [min(rng.lognormvariate(0.0, 1.0), 20.0) for _ in range(200_000)]
+    assert bench_schedule.best_share(w, 0.0)["share"] == 1.0  # no waste: no session given up
+    out = bench_schedule.best_share(w, 0.16)
+    high, low = out["give_up_at_s"]
+    ages = [high if rng.random() < out["weight_of_first"] else low for _ in lengths]
+    busy, ended, wasted = _given_up_at(lengths, ages)
+    assert wasted / busy == pytest.approx(0.16, abs=0.005)
+    assert out["share"] == pytest.approx(ended * mean / busy, abs=0.005)
+    # no single give-up age within the waste does better, and more waste buys more share
+    for a in (2.0, 4.0, 6.0, 8.0, 12.0):
+        busy, ended, wasted = _given_up_at(lengths, [a] * len(lengths))
+        if wasted / busy <= 0.16 - 0.005:
+            assert ended * mean / busy <= out["share"] + 0.005
+    shares = [bench_schedule.best_share(w, x)["share"] for x in (0.05, 0.1, 0.2, 0.3)]
+    assert shares == sorted(shares) and shares[0] > 1.0
+
+
 def test_the_simulated_frontier_reports_the_bound_at_batchs_share():
     w = bench_schedule.workload_for(True, steps=3, slots=16, procs=1, batch_size=4, groups=2,
                                     median_ms=5.0, train_ms=1.0)
@@ -129,7 +160,11 @@ def test_the_simulated_frontier_reports_the_bound_at_batchs_share():
     for lag, bound in out["bound"].items():
         assert bound["share"] == out["frontier"][lag]["batch"]["capacity_share"]
         assert 0 <= bound["waste_share"] < 1
+        best = out["best_share"][lag]
+        assert best["waste_share"] == out["frontier"][lag]["batch"]["waste_share"] / 2
+        assert best["share"] >= 1.0
     assert "bound" in bench_schedule.format_frontier(out)
+    assert "the most any policy trains" in bench_schedule.format_frontier(out)
     assert "bound" not in bench_schedule.simulate_frontier(w, ("stream",))
 
 

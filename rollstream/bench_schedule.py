@@ -170,13 +170,15 @@ def best_share(workload: dict, waste: float) -> dict:
     ends, so whatever the policy does, the age at which it would give an attempt up if it
     were still running is independent of that attempt's length: per attempt given up at age
     a, it is busy E[min(d, a)] slot-seconds, ends by itself with probability 1 - S(a), and
-    wastes a * S(a). Over all its attempts a policy is a mixture of such cut-offs; a finished
-    attempt it does not train, a slot left idle and an attempt still running at the end only
-    lower its share (and the last two its waste share in proportion), and the share of a
-    mixture at a given waste share is largest with at most two cut-offs. So no policy trains
-    more than the best two-cut-off mixture whose waste share is `waste`; staleness can only
-    take from it (an unbiased policy's share is at most 1 - its waste share: above that, the
-    share comes from training the short sessions)."""
+    wastes a * S(a). Over all its attempts a policy is a mixture of such cut-offs. A finished
+    attempt it does not train (stale, surplus) adds to its waste, a slot left idle lowers its
+    share, and an attempt still running (or admitted but not trained) at the end lowers its
+    share and its waste share in the same proportion, which never helps, since the best share
+    over the waste share falls as the waste share grows; and the share of a mixture at a given
+    waste share is largest with at most two cut-offs. So no policy trains more than the best
+    two-cut-off mixture whose waste share is `waste`; staleness can only take from it (an
+    unbiased policy's share is at most 1 - its waste share: above that, the share comes from
+    training the short sessions)."""
     ages, busy, ends, wasted = _cutoffs(workload)
     mean = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
     best = (mean * ends[-1] / busy[-1], ages[-1], ages[-1], 1.0)  # never give up: share 1, no waste

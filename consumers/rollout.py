@@ -376,15 +376,15 @@ class RolloutConsumer:
 
     def _start(self, items: Sequence[tuple[bytes, dict]]) -> None:
         """Dead-letter undecodable entries, skip cancelled attempts, start the rest."""
-        owned = []
+        decoded = []
         poison = self.r.pipeline(transaction=True)
         for entry_id, fields in items:
             try:
-                work = wire.from_fields(fields, wire.Work, max_bytes=self.config.max_message_bytes)
+                decoded.append((entry_id, wire.from_fields(fields, wire.Work,
+                                                           max_bytes=self.config.max_message_bytes)))
             except wire.SchemaError as exc:
                 self._dead_letter_work(poison, entry_id, fields, exc)
-                continue
-            owned.append(self._own(entry_id, work))  # before the check: a later Cancel finds it
+        owned = self._own(decoded)  # before the check: a later Cancel finds them
         try:
             if len(poison):
                 poison.execute()
@@ -392,8 +392,7 @@ class RolloutConsumer:
         except RETRYABLE:
             # not started: forget them, so that adopting this consumer's pending entries
             # after the reconnect starts them (kept, their leases would be renewed forever)
-            for o in owned:
-                self._release(o)
+            self._release(*owned)
             raise
         if self.inline:
             self._run_inline([o for o in owned if o not in skipped])
@@ -420,19 +419,26 @@ class RolloutConsumer:
         if self.metrics is not None:
             self.metrics.dead_letter("work", exc.field)
 
-    def _own(self, entry_id: bytes, work: wire.Work) -> _Owned:
-        o = _Owned(entry_id, work)
+    def _own(self, decoded: Sequence[tuple[bytes, wire.Work]]) -> list[_Owned]:
+        """Own the work entries of one read (the slot gauge set once)."""
+        owned = [_Owned(entry_id, work) for entry_id, work in decoded]
         with self._lock:
-            self._owned[entry_id] = o
-            self._by_ident[_ident(work)] = o
+            for o in owned:
+                self._owned[o.entry_id] = o
+                self._by_ident[_ident(o.work)] = o
             self._observe_slots()
-        return o
+        return owned
 
-    def _release(self, o: _Owned) -> None:
+    def _release(self, *owned: _Owned) -> None:
+        """Forget entries that left (the slot gauge set once), and wake the main loop."""
+        if not owned:
+            return
         with self._lock:
-            self._owned.pop(o.entry_id, None)
-            if self._by_ident.get(_ident(o.work)) is o:
-                del self._by_ident[_ident(o.work)]
+            for o in owned:
+                self._owned.pop(o.entry_id, None)
+                ident = _ident(o.work)
+                if self._by_ident.get(ident) is o:
+                    del self._by_ident[ident]
             self._observe_slots()
         self._freed.set()
 
@@ -454,8 +460,7 @@ class RolloutConsumer:
         if skipped:
             streams.ack(self.r, self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
             self.stats["skipped"] += len(skipped)
-            for o in skipped:
-                self._release(o)
+            self._release(*skipped)
         return skipped
 
     def _renew_if_due(self) -> None:
@@ -544,9 +549,9 @@ class RolloutConsumer:
         # many numpy calls release the GIL and sessions encoding at once would contend for it
         self._publisher.publish(*(_Publication(o, None, None, encode=partial(
             self._result_fields, o, session, error, finished)) for o, session, error, finished in ended))
-        for o, session, _, _ in ended:
+        for _, session, _, _ in ended:
             self.stats[f"results_{session.status.value}"] += 1
-            self._release(o)
+        self._release(*(o for o, _, _, _ in ended))
 
     def _commit(self, batch: Sequence[_Publication]) -> None:
         """Append the results of `batch` and acknowledge their work entries in ONE

@@ -47,8 +47,10 @@ def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, comp
     keys = Keys(namespace)
     r = connect(redis_config)
     try:
+        # the default block_ms (1000): a read of work returns as soon as there is some, and
+        # the listener's reads of control and weights then cost what they cost in a deployment
         config = build(ConsumerConfig, {"redis": redis_config.model_dump(mode="json"), "slots": slots,
-                                        "block_ms": 5, "metrics_addr": "127.0.0.1:0"})
+                                        "metrics_addr": "127.0.0.1:0"})
         work = [wire.to_fields(wire.Work(0, 0, i // 8, i % 8, 0, Task(f"t{i // 8}"), 0))
                 for i in range(sessions)]
         _fill(r, keys.work, work)

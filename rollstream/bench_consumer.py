@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import msgpack
@@ -57,14 +58,14 @@ def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, comp
         source = SleepSource(median_s=0.0, sigma=0.0, prompt_tokens=prompt, completion_tokens=completion,
                              vocab=32_000, seed=0)
         consumer = RolloutConsumer(config, source, connect(redis_config), name="bench")
+        consumer.stats = published = _Published(sessions)
         stop = threading.Event()
         thread = threading.Thread(target=consumer.run, args=(stop,), daemon=True)
         t0, c0 = time.perf_counter(), time.process_time()
         thread.start()
-        while _published(consumer) < sessions:  # counted in process: polling Redis would load both
+        while not published.all.wait(0.1):  # counted in process: polling Redis would load both
             if not thread.is_alive():
                 raise RuntimeError(f"the consumer stopped early: {dict(consumer.stats)}")
-            time.sleep(0.001)
         consumer_s, consumer_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         if r.xlen(keys.results(0)) != sessions:
             raise RuntimeError(f"{r.xlen(keys.results(0))} results on the stream for {sessions} sessions")
@@ -100,9 +101,21 @@ def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, comp
     }
 
 
-def _published(consumer) -> int:
-    """The results the consumer has committed (its `results_<status>` counts)."""
-    return sum(n for name, n in list(consumer.stats.items()) if name.startswith("results_"))
+class _Published(Counter):
+    """A consumer's `stats` that set `all` once `n` results are committed (its
+    `results_<status>` counts): the bench waits on it instead of waking every millisecond
+    to count them, which charged the consumer a GIL hand-off each time."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.results, self.all = n, 0, threading.Event()
+
+    def __setitem__(self, name: str, count: int) -> None:
+        if name.startswith("results_"):
+            self.results += count - self[name]
+            if self.results >= self.n:
+                self.all.set()
+        super().__setitem__(name, count)
 
 
 def _fill(r, stream: str, entries: list[dict]) -> None:

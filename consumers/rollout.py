@@ -70,6 +70,7 @@ from typing import Any
 
 import redis
 
+from consumers.admission import collect_less
 from consumers.sources import load_source
 from pipeline import streams, wire
 from pipeline.config import ConsumerConfig
@@ -711,6 +712,7 @@ class RolloutConsumer:
 def main(config: ConsumerConfig, source: Any = None, name: str | None = None) -> int:
     """`rollstream consumer --config FILE`: run until SIGTERM or SIGINT, then drain.
     `source` defaults to the one `config.source` names, built from `config.source_args`."""
+    collect_less()  # as the admission process: the collector scanned every session's objects
     source = source if source is not None else load_source(config.source, config.source_args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

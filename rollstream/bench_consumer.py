@@ -13,8 +13,10 @@ checked on the results stream) gives sessions per second.
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
 XREADGROUP (`--slots` at a time), msgpack decode of each work entry, msgpack encode of a
 result of the same size (its wire form built beforehand) and XADD, XACK of the batch
-(pipelined). Reported: `consumer_per_s`, `floor_per_s`, their `ratio`, and the ratio of the
-two loops' client CPU seconds (`cpu_ratio`; Redis's own CPU is not counted).
+(pipelined). Both loops run under the garbage collector's settings of the consumer process
+(`consumers.admission.collect_less`, which `consumers.rollout.main` calls at start, as the
+admission process does). Reported: `consumer_per_s`, `floor_per_s`, their `ratio`, and the
+ratio of the two loops' client CPU seconds (`cpu_ratio`; Redis's own CPU is not counted).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import msgpack
 
 from pipeline import wire
-from rollstream.bench_admission import raw_floor
+from rollstream.bench_admission import _collecting_less, raw_floor
 from pipeline.config import ConsumerConfig, RedisConfig, build
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.redis_io import connect, delete_namespace, embedded
@@ -40,6 +42,11 @@ from pipeline.sessions import Call, Session, Status, Task
 
 
 def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, completion: int = 768) -> dict:
+    with _collecting_less():  # the collector's settings of the consumer process (`rollout.main`)
+        return _run(url, sessions, slots, prompt, completion)
+
+
+def _run(url: str, sessions: int, slots: int, prompt: int, completion: int) -> dict:
     from consumers.rollout import RolloutConsumer
     from consumers.sources.sleep import SleepSource
 

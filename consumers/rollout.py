@@ -70,6 +70,7 @@ from typing import Any
 
 import redis
 
+from consumers.admission import collect_less
 from consumers.sources import load_source
 from pipeline import streams, wire
 from pipeline.config import ConsumerConfig
@@ -100,13 +101,30 @@ def _ident(msg: wire.Work | wire.Cancel) -> tuple[int, int, int, int, int]:
     return msg.shard, msg.epoch, msg.group, msg.sample, msg.attempt
 
 
-class _Owned:
-    """One work entry this consumer owns, and the session running it."""
+class _Flag:
+    """The cancel mark of a session that never waits (`runs_inline`): its source only looks
+    (`is_set`), so it needs no `threading.Event` (a lock and a condition, 2 us to make)."""
 
-    def __init__(self, entry_id: bytes, work: wire.Work) -> None:
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+class _Owned:
+    """One work entry this consumer owns, and the session running it (`waits`: on a thread
+    of its own, whose source may wait on its cancel event; else inline, with a `_Flag`)."""
+
+    def __init__(self, entry_id: bytes, work: wire.Work, waits: bool = True) -> None:
         self.entry_id = entry_id
         self.work = work
-        self.cancelled = threading.Event()
+        self.cancelled: threading.Event | _Flag = threading.Event() if waits else _Flag()
         self.aevent: asyncio.Event | None = None
         self.lock = threading.Lock()
         self.published = False
@@ -376,15 +394,15 @@ class RolloutConsumer:
 
     def _start(self, items: Sequence[tuple[bytes, dict]]) -> None:
         """Dead-letter undecodable entries, skip cancelled attempts, start the rest."""
-        owned = []
+        decoded = []
         poison = self.r.pipeline(transaction=True)
         for entry_id, fields in items:
             try:
-                work = wire.from_fields(fields, wire.Work, max_bytes=self.config.max_message_bytes)
+                decoded.append((entry_id, wire.from_fields(fields, wire.Work,
+                                                           max_bytes=self.config.max_message_bytes)))
             except wire.SchemaError as exc:
                 self._dead_letter_work(poison, entry_id, fields, exc)
-                continue
-            owned.append(self._own(entry_id, work))  # before the check: a later Cancel finds it
+        owned = self._own(decoded)  # before the check: a later Cancel finds them
         try:
             if len(poison):
                 poison.execute()
@@ -392,8 +410,7 @@ class RolloutConsumer:
         except RETRYABLE:
             # not started: forget them, so that adopting this consumer's pending entries
             # after the reconnect starts them (kept, their leases would be renewed forever)
-            for o in owned:
-                self._release(o)
+            self._release(*owned)
             raise
         if self.inline:
             self._run_inline([o for o in owned if o not in skipped])
@@ -420,19 +437,26 @@ class RolloutConsumer:
         if self.metrics is not None:
             self.metrics.dead_letter("work", exc.field)
 
-    def _own(self, entry_id: bytes, work: wire.Work) -> _Owned:
-        o = _Owned(entry_id, work)
+    def _own(self, decoded: Sequence[tuple[bytes, wire.Work]]) -> list[_Owned]:
+        """Own the work entries of one read (the slot gauge set once)."""
+        owned = [_Owned(entry_id, work, waits=not self.inline) for entry_id, work in decoded]
         with self._lock:
-            self._owned[entry_id] = o
-            self._by_ident[_ident(work)] = o
+            for o in owned:
+                self._owned[o.entry_id] = o
+                self._by_ident[_ident(o.work)] = o
             self._observe_slots()
-        return o
+        return owned
 
-    def _release(self, o: _Owned) -> None:
+    def _release(self, *owned: _Owned) -> None:
+        """Forget entries that left (the slot gauge set once), and wake the main loop."""
+        if not owned:
+            return
         with self._lock:
-            self._owned.pop(o.entry_id, None)
-            if self._by_ident.get(_ident(o.work)) is o:
-                del self._by_ident[_ident(o.work)]
+            for o in owned:
+                self._owned.pop(o.entry_id, None)
+                ident = _ident(o.work)
+                if self._by_ident.get(ident) is o:
+                    del self._by_ident[ident]
             self._observe_slots()
         self._freed.set()
 
@@ -454,8 +478,7 @@ class RolloutConsumer:
         if skipped:
             streams.ack(self.r, self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
             self.stats["skipped"] += len(skipped)
-            for o in skipped:
-                self._release(o)
+            self._release(*skipped)
         return skipped
 
     def _renew_if_due(self) -> None:
@@ -544,9 +567,9 @@ class RolloutConsumer:
         # many numpy calls release the GIL and sessions encoding at once would contend for it
         self._publisher.publish(*(_Publication(o, None, None, encode=partial(
             self._result_fields, o, session, error, finished)) for o, session, error, finished in ended))
-        for o, session, _, _ in ended:
+        for _, session, _, _ in ended:
             self.stats[f"results_{session.status.value}"] += 1
-            self._release(o)
+        self._release(*(o for o, _, _, _ in ended))
 
     def _commit(self, batch: Sequence[_Publication]) -> None:
         """Append the results of `batch` and acknowledge their work entries in ONE
@@ -706,6 +729,7 @@ class RolloutConsumer:
 def main(config: ConsumerConfig, source: Any = None, name: str | None = None) -> int:
     """`rollstream consumer --config FILE`: run until SIGTERM or SIGINT, then drain.
     `source` defaults to the one `config.source` names, built from `config.source_args`."""
+    collect_less()  # as the admission process: the collector scanned every session's objects
     source = source if source is not None else load_source(config.source, config.source_args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

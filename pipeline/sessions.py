@@ -48,21 +48,26 @@ class Task:
 
 
 _MAX_TOKEN = int(np.iinfo(TOKEN_DTYPE).max)
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ufunc reductions: no `ndarray.min` Python layer
 
 
 def _tokens(name: str, values: Any) -> np.ndarray:
-    raw = np.asarray(values)
-    if raw.size and raw.dtype.kind not in "iu":
+    raw = values if type(values) is np.ndarray else np.asarray(values)
+    kind = raw.dtype.kind
+    if raw.size and kind not in "iu":
         raise TypeError(f"Call.{name} must hold integer token ids, got dtype {raw.dtype}")
     if raw.ndim != 1:
         raise ValueError(f"Call.{name} must be one-dimensional, got shape {raw.shape}")
-    if raw.size and (raw.min() < 0 or (not np.can_cast(raw.dtype, TOKEN_DTYPE) and raw.max() > _MAX_TOKEN)):
+    # a signed array's least id, and the greatest of one whose type goes past int32
+    if raw.size and ((kind == "i" and _MIN(raw, axis=None) < 0) or (
+            raw.dtype is not TOKEN_DTYPE and not np.can_cast(raw.dtype, TOKEN_DTYPE)
+            and _MAX(raw, axis=None) > _MAX_TOKEN)):
         raise ValueError(f"Call.{name} holds token ids outside [0, 2**31)")
     return np.ascontiguousarray(raw, dtype=TOKEN_DTYPE)
 
 
 def _logprobs(values: Any) -> np.ndarray:
-    arr = np.ascontiguousarray(np.asarray(values, dtype=LOGPROB_DTYPE))
+    arr = np.ascontiguousarray(values, dtype=LOGPROB_DTYPE)
     if arr.ndim != 1:
         raise ValueError(f"Call.logprobs must be one-dimensional, got shape {arr.shape}")
     if arr.size and not finite_logprobs(arr):
@@ -77,8 +82,7 @@ def finite_logprobs(arr: np.ndarray) -> bool:
     """Whether a non-empty array holds finite log-probabilities, none above `LOGPROB_EPSILON`
     (its max is NaN when any is NaN, and its min catches -inf; ufunc reductions, without
     `ndarray.max`'s Python layer)."""
-    return bool(np.maximum.reduce(arr, axis=None) <= LOGPROB_EPSILON
-                and np.minimum.reduce(arr, axis=None) > -np.inf)
+    return bool(_MAX(arr, axis=None) <= LOGPROB_EPSILON and _MIN(arr, axis=None) > -np.inf)
 
 
 @dataclass(eq=False)
@@ -103,11 +107,14 @@ class Call:
                 f"Call.logprobs has {len(self.logprobs)} entries for "
                 f"{len(self.completion_ids)} completion tokens"
             )
-        if isinstance(self.version, bool) or not isinstance(self.version, (int, np.integer)):
-            raise TypeError(f"Call.version must be an int, got {type(self.version).__name__}")
-        if self.version < 0:
-            raise ValueError(f"Call.version must be >= 0, got {self.version}")
-        self.version = int(self.version)
+        version = self.version
+        if type(version) is not int:
+            if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+                raise TypeError(f"Call.version must be an int, got {type(version).__name__}")
+            version = int(version)
+        if version < 0:
+            raise ValueError(f"Call.version must be >= 0, got {version}")
+        self.version = version
         if self.support is not None:
             sup = np.ascontiguousarray(np.asarray(self.support, dtype=TOKEN_DTYPE))
             if sup.ndim != 2 or sup.shape[0] != len(self.completion_ids):
@@ -128,6 +135,17 @@ class Call:
                 and np.array_equal(self.logprobs, other.logprobs))
 
 
+def _finite_numbers(values: object) -> bool:
+    """Whether `values` maps names (str) to finite numbers (int or float, not bool)."""
+    if type(values) is not dict and not isinstance(values, Mapping):
+        return False
+    for k, v in values.items():
+        if not (isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v)):
+            return False
+    return True
+
+
 @dataclass
 class Session:
     """What one rollout produced."""
@@ -140,19 +158,18 @@ class Session:
     timings: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.status = Status(self.status)
+        if type(self.status) is not Status:
+            self.status = Status(self.status)
         if self.reward is not None:
             if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float, np.number)):
                 raise TypeError(f"Session.reward must be a number, got {type(self.reward).__name__}")
             self.reward = float(self.reward)
             if not math.isfinite(self.reward):
                 raise ValueError(f"Session.reward must be finite, got {self.reward}")
-        for name in ("components", "timings"):
-            values = getattr(self, name)
-            if not isinstance(values, Mapping) or not all(
-                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                    and math.isfinite(v) for k, v in values.items()):
-                raise ValueError(f"Session.{name} must map names to finite numbers")
+        if not _finite_numbers(self.components):
+            raise ValueError("Session.components must map names to finite numbers")
+        if not _finite_numbers(self.timings):
+            raise ValueError("Session.timings must map names to finite numbers")
         self.calls = list(self.calls)
         if not all(isinstance(c, Call) for c in self.calls):
             raise TypeError("Session.calls must hold Call objects")

@@ -13,8 +13,10 @@ checked on the results stream) gives sessions per second.
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
 XREADGROUP (`--slots` at a time), msgpack decode of each work entry, msgpack encode of a
 result of the same size (its wire form built beforehand) and XADD, XACK of the batch
-(pipelined). Reported: `consumer_per_s`, `floor_per_s`, their `ratio`, and the ratio of the
-two loops' client CPU seconds (`cpu_ratio`; Redis's own CPU is not counted).
+(pipelined). Both loops run under the garbage collector's settings of the consumer process
+(`consumers.admission.collect_less`, which `consumers.rollout.main` calls at start, as the
+admission process does). Reported: `consumer_per_s`, `floor_per_s`, their `ratio`, and the
+ratio of the two loops' client CPU seconds (`cpu_ratio`; Redis's own CPU is not counted).
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import msgpack
 
 from pipeline import wire
-from rollstream.bench_admission import raw_floor
+from rollstream.bench_admission import _collecting_less, raw_floor
 from pipeline.config import ConsumerConfig, RedisConfig, build
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.redis_io import connect, delete_namespace, embedded
@@ -39,6 +42,11 @@ from pipeline.sessions import Call, Session, Status, Task
 
 
 def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, completion: int = 768) -> dict:
+    with _collecting_less():  # the collector's settings of the consumer process (`rollout.main`)
+        return _run(url, sessions, slots, prompt, completion)
+
+
+def _run(url: str, sessions: int, slots: int, prompt: int, completion: int) -> dict:
     from consumers.rollout import RolloutConsumer
     from consumers.sources.sleep import SleepSource
 
@@ -47,22 +55,24 @@ def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, comp
     keys = Keys(namespace)
     r = connect(redis_config)
     try:
+        # the default block_ms (1000): a read of work returns as soon as there is some, and
+        # the listener's reads of control and weights then cost what they cost in a deployment
         config = build(ConsumerConfig, {"redis": redis_config.model_dump(mode="json"), "slots": slots,
-                                        "block_ms": 5, "metrics_addr": "127.0.0.1:0"})
+                                        "metrics_addr": "127.0.0.1:0"})
         work = [wire.to_fields(wire.Work(0, 0, i // 8, i % 8, 0, Task(f"t{i // 8}"), 0))
                 for i in range(sessions)]
         _fill(r, keys.work, work)
         source = SleepSource(median_s=0.0, sigma=0.0, prompt_tokens=prompt, completion_tokens=completion,
                              vocab=32_000, seed=0)
         consumer = RolloutConsumer(config, source, connect(redis_config), name="bench")
+        consumer.stats = published = _Published(sessions)
         stop = threading.Event()
         thread = threading.Thread(target=consumer.run, args=(stop,), daemon=True)
         t0, c0 = time.perf_counter(), time.process_time()
         thread.start()
-        while _published(consumer) < sessions:  # counted in process: polling Redis would load both
+        while not published.all.wait(0.1):  # counted in process: polling Redis would load both
             if not thread.is_alive():
                 raise RuntimeError(f"the consumer stopped early: {dict(consumer.stats)}")
-            time.sleep(0.001)
         consumer_s, consumer_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         if r.xlen(keys.results(0)) != sessions:
             raise RuntimeError(f"{r.xlen(keys.results(0))} results on the stream for {sessions} sessions")
@@ -98,9 +108,21 @@ def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, comp
     }
 
 
-def _published(consumer) -> int:
-    """The results the consumer has committed (its `results_<status>` counts)."""
-    return sum(n for name, n in list(consumer.stats.items()) if name.startswith("results_"))
+class _Published(Counter):
+    """A consumer's `stats` that set `all` once `n` results are committed (its
+    `results_<status>` counts): the bench waits on it instead of waking every millisecond
+    to count them, which charged the consumer a GIL hand-off each time."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.results, self.all = n, 0, threading.Event()
+
+    def __setitem__(self, name: str, count: int) -> None:
+        if name.startswith("results_"):
+            self.results += count - self[name]
+            if self.results >= self.n:
+                self.all.set()
+        super().__setitem__(name, count)
 
 
 def _fill(r, stream: str, entries: list[dict]) -> None:

@@ -11,12 +11,18 @@ sessions of zero length (`rollstream bench consumer`), which never wait: the sou
 
 Tokens and log-probs are windows of two pools drawn once, from `seed`, when the source is
 built (`POOL` entries plus the longest draw): a session copies a window at an offset drawn
-from its request's generator, so a 1k-token session costs a few microseconds, and the same
-seed and request give the same session.
+from its attempt's `_Draws` (SplitMix64 seeded from a hash of the seed and the attempt: a
+microsecond to seed, where a Mersenne Twister's 624 words take several), as are its status
+and reward, so a 1k-token session costs a few microseconds, and the same seed and request
+give the same session. Its duration is the first draw of its attempt's `random.Random`
+(`duration_for`), made only for sessions of non-zero length.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import itertools
 import math
 import random
 import threading
@@ -48,6 +54,27 @@ def wait_cancelled(request: SessionRequest, seconds: float) -> bool:
     return True
 
 
+_M64 = (1 << 64) - 1
+
+
+class _Draws:
+    """An attempt's draws in [0, 1): SplitMix64 (Steele, Lea and Flood, 2014), a 64-bit
+    state seeded at once."""
+
+    def __init__(self, state: int) -> None:
+        self._state = state & _M64
+
+    def uniform(self) -> float:
+        self._state = z = (self._state + 0x9E3779B97F4A7C15) & _M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        return ((z ^ (z >> 31)) >> 11) * 2.0 ** -53
+
+    def below(self, n: int) -> int:
+        """An int in [0, n)."""
+        return min(int(self.uniform() * n), n - 1)
+
+
 class SleepSource:
     """See the module docstring. Keyword arguments only, so that a consumer builds it from
     `ConsumerConfig.source_args`."""
@@ -65,6 +92,7 @@ class SleepSource:
         self.weights = [float(w) for w in mix.values()]
         if any(w < 0 for w in self.weights) or not sum(self.weights) > 0:
             raise ValueError(f"status_mix needs non-negative weights with a positive sum, got {mix}")
+        self._cumulative = list(itertools.accumulate(self.weights))
         self.median_s, self.sigma, self.cap = median_s, sigma, cap
         self.calls, self.prompt_tokens, self.completion_tokens = calls, prompt_tokens, completion_tokens
         self.vocab = vocab
@@ -75,11 +103,22 @@ class SleepSource:
         self._tokens = draws.integers(0, vocab, size, dtype=np.int32)
         self._logprobs = -(draws.random(size, dtype=np.float32) * 2.0)
 
+    def _key(self, task_id: str, group: int, sample: int, attempt: int) -> str:
+        return f"{self.seed}:{task_id}:{group}:{sample}:{attempt}"
+
     def _rng(self, task_id: str, group: int, sample: int, attempt: int) -> random.Random:
-        """An attempt's generator: with a `seed`, a function of the attempt alone."""
+        """An attempt's generator of its duration: with a `seed`, a function of the attempt alone."""
         if self.seed is None:
             return random.Random()
-        return random.Random(f"{self.seed}:{task_id}:{group}:{sample}:{attempt}")
+        return random.Random(self._key(task_id, group, sample, attempt))
+
+    def _draws(self, request: SessionRequest) -> _Draws:
+        """An attempt's draws of its tokens, status and reward: with a `seed`, a function of
+        the attempt alone."""
+        if self.seed is None:
+            return _Draws(random.getrandbits(64))
+        key = self._key(request.task.id, request.group, request.sample, request.attempt)
+        return _Draws(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
 
     def duration_for(self, task_id: str, group: int, sample: int, attempt: int) -> float:
         """The duration `run` gives the attempt (its generator's first draw); with a `seed`,
@@ -92,27 +131,34 @@ class SleepSource:
         return min(rng.lognormvariate(math.log(self.median_s), self.sigma), self.cap * self.median_s)
 
     def run(self, request: SessionRequest) -> Session:
-        rng = self._rng(request.task.id, request.group, request.sample, request.attempt)
-        duration = self.duration_s(rng)  # first, as `duration_for` draws it
+        duration = 0.0 if self.median_s == 0 else self.duration_for(
+            request.task.id, request.group, request.sample, request.attempt)
+        draws = self._draws(request)
         started = time.time()
         calls: list[Call] = []
-        prompt = self._window(rng, self._tokens, self.prompt_tokens)
+        prompt = self._window(draws, self._tokens, self.prompt_tokens)
         for k in range(self.calls):
             if wait_cancelled(request, duration / self.calls):
                 return Session(Status.CANCELLED, calls=calls, timings=self._timings(started))
-            completion = self._window(rng, self._tokens, self.completion_tokens)
-            logprobs = self._window(rng, self._logprobs, self.completion_tokens)
+            completion = self._window(draws, self._tokens, self.completion_tokens)
+            logprobs = self._window(draws, self._logprobs, self.completion_tokens)
             calls.append(Call(prompt, completion, logprobs, request.served_version()))
             if k + 1 < self.calls:  # the next call's prompt: this one's, its completion, 4 more
-                prompt = np.concatenate([prompt, completion, self._window(rng, self._tokens, 4)])
-        status = rng.choices(self.statuses, self.weights)[0]
-        reward = None if status in (Status.INFRA_ERROR, Status.CANCELLED) else rng.random()
+                prompt = np.concatenate([prompt, completion, self._window(draws, self._tokens, 4)])
+        status = self._status(draws)
+        reward = None if status in (Status.INFRA_ERROR, Status.CANCELLED) else draws.uniform()
         return Session(status, reward, calls=calls, timings=self._timings(started))
 
+    def _status(self, draws: _Draws) -> Status:
+        """A status drawn from `status_mix` (as `random.choices` draws)."""
+        if len(self.statuses) == 1:
+            return self.statuses[0]
+        return self.statuses[bisect.bisect_right(self._cumulative, draws.uniform() * self._cumulative[-1])]
+
     @staticmethod
-    def _window(rng: random.Random, pool: np.ndarray, n: int) -> np.ndarray:
-        """A copy of `n` consecutive entries of `pool`, at an offset drawn from `rng`."""
-        start = rng.randrange(len(pool) - n + 1)
+    def _window(draws: _Draws, pool: np.ndarray, n: int) -> np.ndarray:
+        """A copy of `n` consecutive entries of `pool`, at an offset drawn from `draws`."""
+        start = draws.below(len(pool) - n + 1)
         return pool[start:start + n].copy()
 
     @staticmethod

@@ -81,3 +81,17 @@ def test_async_scripted_source_is_cancelled_through_its_event():
         return await AsyncScriptedSource(default={"duration_s": 5.0}).arun(request(cancelled=event))
 
     assert asyncio.run(main()).status is Status.CANCELLED
+
+
+def test_sleep_source_draws_statuses_by_their_weights_and_each_attempt_its_own_session():
+    source = SleepSource(median_s=0.0, seed=2, vocab=50,
+                         status_mix={"completed": 3.0, "agent_error": 1.0, "truncated": 0.0})
+    sessions = [source.run(request(task=f"t{i}.0")) for i in range(2000)]
+    counts = {s: sum(x.status is s for x in sessions) for s in Status}
+    assert counts[Status.TRUNCATED] == 0 and 0.70 < counts[Status.COMPLETED] / 2000 < 0.80
+    assert all(0.0 <= x.reward < 1.0 for x in sessions)
+    tokens = {bytes(x.calls[0].completion_ids) for x in sessions}
+    assert len(tokens) > 1900  # every attempt its own window (of some 66k offsets)
+    again = SleepSource(median_s=0.0, seed=2, vocab=50,
+                        status_mix={"completed": 3.0, "agent_error": 1.0, "truncated": 0.0})
+    assert again.run(request(task="t7.0")).calls[0] == sessions[7].calls[0]  # seeded

@@ -17,8 +17,12 @@ Rules:
   chains are placed longest first, each into the row with the least room that still fits
   it (best-fit decreasing), which packs realistic length mixes to >= 95% non-pad tokens
   when there is enough data to fill the rows (`rollstream.bench_pack`).
-- The fill is vectorised: one `np.repeat`/scatter over all placed tokens, no Python loop
-  per token.
+- `pack` keeps the packed chains and their segment table (`PackedBatch.segment_table`:
+  row, segment id, length, rollout and chain index of each placed chain, row by row);
+  every array below is computed from them on first access, vectorised over all placed
+  tokens with no Python loop per token, and then kept. The admission reads only the
+  segment table and the non-padding cells of a few arrays (`PackedBatch.cells`,
+  `pipeline.ready.compact`), so it never lays out the `[rows, width]` arrays.
 
 Packed arrays (`PackedBatch`), all `[rows, width]` unless noted; padding is at the end of
 each row:
@@ -37,8 +41,10 @@ each row:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -112,25 +118,36 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class SegmentTable:
+    """The packed chains, one segment each, row by row in column order (so each row's
+    chains fill it from column 0): `row`, `segment` (its id in the row: 1, 2, ...),
+    `length` (>= 1), `rollout` (an index into the batch's `rollout_*` arrays) and `chain`
+    (the chain's index within its rollout), each `[S]` int32."""
+
+    row: np.ndarray
+    segment: np.ndarray
+    length: np.ndarray
+    rollout: np.ndarray
+    chain: np.ndarray
+
+
+@dataclass(frozen=True)
 class PackedBatch:
     """One step's packed rows (see the module docstring for the arrays).
+
+    `pack` keeps the packed chains and their `segment_table`; the `[rows, width]` arrays
+    and their non-padding `cells` are computed from them on first access (the admission
+    sends only the segment table and a few cells, `pipeline.ready.compact`).
 
     Per packed rollout, in packing order: `rollout_group`, `rollout_sample`,
     `rollout_reward` (the reward trained on; NaN for a masked rollout without reward),
     `rollout_advantage` and `rollout_trained`.
     """
 
-    tokens: np.ndarray
-    positions: np.ndarray
-    segments: np.ndarray
-    loss_mask: np.ndarray
-    advantages: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    support: np.ndarray | None
-    segment_group: np.ndarray
-    segment_sample: np.ndarray
-    segment_chain: np.ndarray
+    rows: int
+    width: int
+    segment_table: SegmentTable
+    support_capacity: int | None
     rollout_group: np.ndarray
     rollout_sample: np.ndarray
     rollout_reward: np.ndarray
@@ -140,30 +157,23 @@ class PackedBatch:
     cut_groups: tuple[int, ...]
     refused: tuple[Refusal, ...]
     non_pad_share: float
-    # the non-padding cells of some `[rows, width]` arrays, row after row, and the tokens of
-    # each row, as `pack` had them before laying them out (`cells`, `row_tokens`)
-    _cells: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # the packed chains, one per segment of `segment_table`, and the cells computed so far
+    _chains: tuple[Chain, ...] = field(default=(), repr=False, compare=False)
+    _cells: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def row_tokens(self) -> list[int]:
         """The non-padding tokens of each row (its chains fill it from column 0)."""
-        used = self._cells.get("row_tokens")
-        return list(used) if used is not None else np.count_nonzero(self.segments, axis=1).tolist()
+        return list(self._layout.used)
 
     def cells(self, name: str) -> np.ndarray:
         """The non-padding cells of the `[rows, width, ...]` array `name`, row after row."""
+        if name not in _CELLS or (name == "support" and self.support_capacity is None):
+            raise KeyError(f"no cells named {name!r}")
         cached = self._cells.get(name)
-        if cached is not None:
-            return cached
-        return _Layout(self.row_tokens, self.width).flat(getattr(self, name))
-
-    @property
-    def rows(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def width(self) -> int:
-        return int(self.tokens.shape[1])
+        if cached is None:
+            cached = self._cells[name] = _CELLS[name](self)
+        return cached
 
     @property
     def cut(self) -> int:
@@ -172,7 +182,67 @@ class PackedBatch:
 
     @property
     def loss_tokens(self) -> int:
-        return int(np.count_nonzero(self.loss_mask))
+        return int(np.count_nonzero(self.cells("loss_mask")))
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        return self._rows("tokens")
+
+    @cached_property
+    def positions(self) -> np.ndarray:
+        return self._rows("positions")
+
+    @cached_property
+    def segments(self) -> np.ndarray:
+        return self._rows("segments")
+
+    @cached_property
+    def loss_mask(self) -> np.ndarray:
+        return self._rows("loss_mask")
+
+    @cached_property
+    def advantages(self) -> np.ndarray:
+        return self._rows("advantages")
+
+    @cached_property
+    def logprobs(self) -> np.ndarray:
+        return self._rows("logprobs")
+
+    @cached_property
+    def versions(self) -> np.ndarray:
+        return self._rows("versions")
+
+    @cached_property
+    def support(self) -> np.ndarray | None:
+        return None if self.support_capacity is None else self._rows("support")
+
+    @cached_property
+    def segment_group(self) -> np.ndarray:
+        return self._by_segment(self.rollout_group[self.segment_table.rollout])
+
+    @cached_property
+    def segment_sample(self) -> np.ndarray:
+        return self._by_segment(self.rollout_sample[self.segment_table.rollout])
+
+    @cached_property
+    def segment_chain(self) -> np.ndarray:
+        return self._by_segment(self.segment_table.chain)
+
+    @cached_property
+    def _layout(self) -> _Layout:
+        table = self.segment_table
+        used = np.bincount(table.row, weights=table.length, minlength=self.rows).astype(np.int64)
+        return _Layout(used.tolist(), self.width)
+
+    def _rows(self, name: str) -> np.ndarray:
+        return self._layout.rows(self.cells(name), _PADDING[name])
+
+    def _by_segment(self, values: np.ndarray) -> np.ndarray:
+        """`[rows, max segment + 1]` int64: `values[i]` at segment i's (row, id), else -1."""
+        table = self.segment_table
+        out = np.full((self.rows, int(table.segment.max(initial=0)) + 1), -1, dtype=np.int64)
+        out[table.row, table.segment] = values
+        return out
 
 
 def check_support(source_is_filtered: bool, support_capacity: int | None) -> None:
@@ -186,59 +256,60 @@ def check_support(source_is_filtered: bool, support_capacity: int | None) -> Non
         )
 
 
-@dataclass
-class _Placement:
-    """Where one chain went: row, start column, segment id, and whose chain it is."""
-
-    row: int
-    offset: int
-    segment: int
-    group_pos: int
-    rollout_pos: int
-    chain_pos: int
+# where one chain went: (row, start column, segment id, rollout index, chain index, length,
+# the chain); the rollout index counts the packed groups' rollouts in packing order
+_Placement = tuple[int, int, int, int, int, int, Chain]
 
 
 class _Rows:
-    """Free room per row, with best-fit placement and per-group rollback."""
+    """Free room per row, with best-fit placement and rollback.
+
+    The rows are kept sorted by room in `keys` (`room * rows + row`), so the row with the
+    least room that fits a chain, the lowest-numbered among equals, is one bisection away."""
 
     def __init__(self, rows: int, width: int) -> None:
-        self.free = np.full(rows, width, dtype=np.int64)
-        self.count = np.zeros(rows, dtype=np.int64)
-        self.width = width
-        self._big = np.int64(width + 1)
-
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.free.copy(), self.count.copy()
-
-    def restore(self, snap: tuple[np.ndarray, np.ndarray]) -> None:
-        self.free, self.count = snap
+        self.n, self.width = rows, width
+        self.free = [width] * rows
+        self.count = [0] * rows
+        self.keys = [width * rows + r for r in range(rows)]
 
     def place(self, length: int) -> tuple[int, int, int] | None:
         """Best fit: the row with the least room >= length. Returns (row, offset, segment)."""
-        room = np.where(self.free >= length, self.free, self._big)
-        row = int(room.argmin())
-        if room[row] == self._big:
+        i = bisect_left(self.keys, length * self.n)
+        if i == len(self.keys):
             return None
-        offset = self.width - int(self.free[row])
-        self.free[row] -= length
+        row = self.keys.pop(i) % self.n
+        offset = self.width - self.free[row]
+        self._move(row, -length)
         self.count[row] += 1
-        return row, offset, int(self.count[row])
+        return row, offset, self.count[row]
+
+    def unplace(self, row: int, length: int) -> None:
+        """Undo the last placement in `row`, of `length` tokens."""
+        del self.keys[bisect_left(self.keys, self.free[row] * self.n + row)]
+        self._move(row, length)
+        self.count[row] -= 1
+
+    def _move(self, row: int, change: int) -> None:
+        self.free[row] += change
+        insort(self.keys, self.free[row] * self.n + row)
 
 
-def _place_group(rows: _Rows, group: Group, group_pos: int) -> list[_Placement] | None:
-    """Place the group's non-empty chains, longest first; None (rows untouched) if any fails."""
-    items = [
-        (len(c), ri, ci) for ri, r in enumerate(group.rollouts) for ci, c in enumerate(r.chains) if len(c)
-    ]
+def _place_group(rows: _Rows, group: Group, first_rollout: int) -> list[_Placement] | None:
+    """Place the group's non-empty chains, longest first; None (rows untouched) if any fails.
+    `first_rollout` is the rollout index of the group's first rollout."""
+    items = [(len(c), ri, ci, c) for ri, r in enumerate(group.rollouts) for ci, c in enumerate(r.chains)]
     items.sort(key=lambda it: -it[0])
-    snap = rows.snapshot()
-    placed = []
-    for length, ri, ci in items:
+    placed: list[_Placement] = []
+    for length, ri, ci, c in items:
+        if not length:
+            break
         spot = rows.place(length)
         if spot is None:
-            rows.restore(snap)
+            for p in reversed(placed):
+                rows.unplace(p[0], p[5])
             return None
-        placed.append(_Placement(spot[0], spot[1], spot[2], group_pos, ri, ci))
+        placed.append((*spot, first_rollout + ri, ci, length, c))
     return placed
 
 
@@ -298,6 +369,7 @@ def pack(
     free = _Rows(rows, width)
     placements: list[_Placement] = []
     packed: list[tuple[Group, GroupScores]] = []
+    n_rollouts = 0
     cut: list[int] = []
     refused: list[Refusal] = []
     for group in groups:
@@ -306,7 +378,7 @@ def pack(
             refused.append(Refusal(group.group, reason))
             continue
         scores = _scores(group, estimator, truncation, eps)
-        placed = _place_group(free, group, len(packed))
+        placed = _place_group(free, group, n_rollouts)
         if placed is None:
             if _place_group(_Rows(rows, width), group, 0) is None:
                 refused.append(
@@ -319,59 +391,28 @@ def pack(
             continue
         placements.extend(placed)
         packed.append((group, scores))
-    return _fill(packed, placements, rows, width, support_capacity, tuple(cut), tuple(refused))
-
-
-def _fill(
-    packed: list[tuple[Group, GroupScores]],
-    placements: list[_Placement],
-    rows: int,
-    width: int,
-    support_capacity: int | None,
-    cut: tuple[int, ...],
-    refused: tuple[Refusal, ...],
-) -> PackedBatch:
-    """Write the placed chains into the row arrays in one vectorised pass.
-
-    Chains fill each row from column 0 with no gaps, so with the placements in (row, offset)
-    order the concatenated chains are exactly the row-major non-padding cells.
-    """
-    placements = sorted(placements, key=lambda p: (p.row, p.offset))
-    chains = [packed[p.group_pos][0].rollouts[p.rollout_pos].chains[p.chain_pos] for p in placements]
-    lengths = np.array([len(c) for c in chains], dtype=np.int64)
-    used = np.bincount([p.row for p in placements], weights=lengths, minlength=rows).astype(np.int64)
-    total = int(lengths.sum())
-    layout = _Layout(used.tolist(), width)
-    positions = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-
-    adv = np.array([_advantage(packed, p) for p in placements], dtype=np.float32)
-    trains = np.array([packed[p.group_pos][1].trained[p.rollout_pos] for p in placements], dtype=bool)
-    loss = _cat([c.loss_mask for c in chains], bool) & np.repeat(trains, lengths)
-    values: dict[str, tuple[Any, Any, np.ndarray]] = {
-        "tokens": (TOKEN_DTYPE, 0, _cat([c.tokens for c in chains], TOKEN_DTYPE)),
-        "positions": (np.int32, 0, positions),
-        "segments": (np.int32, 0, np.repeat(np.array([p.segment for p in placements], np.int32), lengths)),
-        "loss_mask": (bool, False, loss),
-        "advantages": (np.float32, 0, np.where(loss, np.repeat(adv, lengths), np.float32(0))),
-        "logprobs": (LOGPROB_DTYPE, 0, _cat([c.logprobs for c in chains], LOGPROB_DTYPE)),
-        "versions": (np.int32, NO_VERSION, _cat([c.versions for c in chains], np.int32)),
-    }
-    cells = {name: np.asarray(flat, dtype) for name, (dtype, pad, flat) in values.items()}
-    out = {name: layout.rows(cells[name], pad) for name, (_, pad, _) in values.items()}
-    support = None
-    if support_capacity is not None:
-        support = layout.rows(_support_blocks(chains, support_capacity), -1)
+        n_rollouts += len(group.rollouts)
+    placements.sort(key=lambda p: (p[0], p[1]))  # row-major: each row's chains in column order
     return PackedBatch(
-        **out,
-        support=support,
-        **_segment_index(packed, placements, rows),
+        rows=rows,
+        width=width,
+        segment_table=_segment_table(placements),
+        support_capacity=support_capacity,
         **_rollout_arrays(packed),
         groups=tuple(g.group for g, _ in packed),
-        cut_groups=cut,
-        refused=refused,
-        non_pad_share=float(total / (rows * width)),
-        _cells={**cells, "row_tokens": tuple(layout.used)},
+        cut_groups=tuple(cut),
+        refused=tuple(refused),
+        non_pad_share=float((width * rows - sum(free.free)) / (rows * width)),
+        _chains=tuple(p[6] for p in placements),
     )
+
+
+def _segment_table(placements: list[_Placement]) -> SegmentTable:
+    """The segment table of the placements (already in row-major order)."""
+    row, segment, rollout, chain, length = (
+        np.array([p[i] for p in placements], dtype=np.int32) for i in (0, 2, 3, 4, 5)
+    )
+    return SegmentTable(row=row, segment=segment, length=length, rollout=rollout, chain=chain)
 
 
 class _Layout:
@@ -401,10 +442,6 @@ class _Layout:
         return np.concatenate([row[:n] for row, n in zip(rows, self.used)])
 
 
-def _advantage(packed: list[tuple[Group, GroupScores]], p: _Placement) -> float:
-    return float(packed[p.group_pos][1].advantages[p.rollout_pos])
-
-
 def _cat(parts: list[np.ndarray], dtype: type | np.dtype) -> np.ndarray:
     if not parts:
         return np.zeros(0, dtype=dtype)
@@ -424,23 +461,6 @@ def _support_blocks(chains: list[Chain], capacity: int) -> np.ndarray:
     return np.concatenate(blocks)
 
 
-def _segment_index(
-    packed: list[tuple[Group, GroupScores]], placements: list[_Placement], rows: int
-) -> dict[str, np.ndarray]:
-    """`segment_group/sample/chain[r, s]` for segment s of row r; -1 where there is none."""
-    n_seg = max((p.segment for p in placements), default=0) + 1
-    group = np.full((rows, n_seg), -1, dtype=np.int64)
-    sample = np.full((rows, n_seg), -1, dtype=np.int64)
-    chain = np.full((rows, n_seg), -1, dtype=np.int64)
-    if placements:
-        r = np.array([p.row for p in placements])
-        s = np.array([p.segment for p in placements])
-        group[r, s] = [packed[p.group_pos][0].group for p in placements]
-        sample[r, s] = [packed[p.group_pos][0].rollouts[p.rollout_pos].sample for p in placements]
-        chain[r, s] = [p.chain_pos for p in placements]
-    return {"segment_group": group, "segment_sample": sample, "segment_chain": chain}
-
-
 def _rollout_arrays(packed: list[tuple[Group, GroupScores]]) -> dict[str, np.ndarray]:
     """Per packed rollout: group, sample, reward trained on, advantage, trained flag."""
     groups = [g for g, _ in packed]
@@ -452,3 +472,53 @@ def _rollout_arrays(packed: list[tuple[Group, GroupScores]]) -> dict[str, np.nda
         "rollout_advantage": _cat([s.advantages for s in scores], np.float64),
         "rollout_trained": _cat([s.trained for s in scores], bool),
     }
+
+
+def _chain_cells(attr: str, dtype: type | np.dtype) -> Callable[[PackedBatch], np.ndarray]:
+    """The cells that are the packed chains' `attr` arrays, concatenated."""
+    return lambda batch: _cat([getattr(c, attr) for c in batch._chains], dtype)
+
+
+def _loss_cells(batch: PackedBatch) -> np.ndarray:
+    """The completion tokens of the rollouts that train."""
+    table = batch.segment_table
+    trained = np.repeat(batch.rollout_trained[table.rollout], table.length)
+    return _cat([c.loss_mask for c in batch._chains], bool) & trained
+
+
+def _advantage_cells(batch: PackedBatch) -> np.ndarray:
+    """Each rollout's advantage on its loss tokens, 0 elsewhere."""
+    table = batch.segment_table
+    advantages = np.repeat(batch.rollout_advantage.astype(np.float32)[table.rollout], table.length)
+    return np.where(batch.cells("loss_mask"), advantages, np.float32(0))
+
+
+def _position_cells(batch: PackedBatch) -> np.ndarray:
+    """Positions restarting at 0 for each segment."""
+    lengths = batch.segment_table.length.astype(np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return (np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)).astype(np.int32)
+
+
+def _support_cells(batch: PackedBatch) -> np.ndarray:
+    assert batch.support_capacity is not None  # `PackedBatch.cells` asks only with a capacity
+    return _support_blocks(list(batch._chains), batch.support_capacity)
+
+
+_CELLS: dict[str, Callable[[PackedBatch], np.ndarray]] = {
+    "tokens": _chain_cells("tokens", TOKEN_DTYPE),
+    "positions": _position_cells,
+    "segments": lambda batch: np.repeat(batch.segment_table.segment, batch.segment_table.length),
+    "loss_mask": _loss_cells,
+    "advantages": _advantage_cells,
+    "logprobs": _chain_cells("logprobs", LOGPROB_DTYPE),
+    "versions": _chain_cells("versions", np.int32),
+    "support": _support_cells,
+}
+"""How each `[rows, width, ...]` array's non-padding cells are computed (`PackedBatch.cells`)."""
+
+_PADDING: dict[str, Any] = {
+    "tokens": 0, "positions": 0, "segments": 0, "loss_mask": False, "advantages": 0, "logprobs": 0,
+    "versions": NO_VERSION, "support": -1,
+}
+"""What each `[rows, width, ...]` array holds past its row's chains."""

@@ -98,46 +98,43 @@ def compact(packed: PackedBatch) -> dict[str, np.ndarray]:
     """The segment table of `packed` (module docstring). A masked rollout's NaN reward
     travels as 0 (`rollout_trained` says which rollouts train). ValueError when a chain
     carries a log-prob, version or support off its completion tokens (a `Result` cannot)."""
-    rows, width = packed.tokens.shape
-    used = packed.row_tokens
-    flat = {name: packed.cells(name) for name in ("tokens", "segments", "logprobs", "versions")}
-    n_seg = packed.segment_group.shape[1]
-    row_of = np.repeat(np.arange(rows, dtype=np.int64), used)
-    keys = row_of * n_seg + flat["segments"]
-    counts = np.bincount(keys, minlength=rows * n_seg)
-    present = np.flatnonzero(counts)
-    seg_rows, seg_ids = np.divmod(present, n_seg)
-    rollout_index = {(g, s): i for i, (g, s) in enumerate(zip(packed.rollout_group.tolist(),
-                                                            packed.rollout_sample.tolist()))}
-    seg_rollout = [rollout_index[(g, s)] for g, s in zip(packed.segment_group[seg_rows, seg_ids].tolist(),
-                                                         packed.segment_sample[seg_rows, seg_ids].tolist())]
-    completion = flat["versions"] != NO_VERSION
-    if flat["logprobs"][~completion].any():
+    table = packed.segment_table
+    versions = packed.cells("versions")
+    completion = versions != NO_VERSION
+    logprobs = packed.cells("logprobs")
+    if logprobs[~completion].any():
         raise ValueError("a chain carries log-probs off its completion tokens")
-    versions = flat["versions"][completion]
-    change = np.ones(len(versions), dtype=bool)
-    change[1:] = versions[1:] != versions[:-1]
-    starts = np.flatnonzero(change)
+    versions = versions[completion]
+    bounds = _run_bounds(versions)
     out = {
-        "shape": np.array([rows, width], np.int64),
-        "seg_rows": seg_rows.astype(np.int32),
-        "seg_lengths": counts[present].astype(np.int32),
-        "seg_rollout": np.array(seg_rollout, np.int32),
-        "seg_chain": packed.segment_chain[seg_rows, seg_ids].astype(np.int32),
-        "tokens": flat["tokens"],
+        "shape": np.array([packed.rows, packed.width], np.int64),
+        "seg_rows": table.row,
+        "seg_lengths": table.length,
+        "seg_rollout": table.rollout,
+        "seg_chain": table.chain,
+        "tokens": packed.cells("tokens"),
         "completion": np.packbits(completion, bitorder="little"),
-        "logprobs": flat["logprobs"][completion],
-        "versions": versions[starts].astype(np.int32),
-        "version_runs": np.diff(starts, append=len(versions)).astype(np.int32),
+        "logprobs": logprobs[completion],
+        "versions": versions[bounds[:-1]],
+        "version_runs": (bounds[1:] - bounds[:-1]).astype(np.int32),
         **{name: getattr(packed, name) for name in _ROLLOUT},
     }
-    out["rollout_reward"] = np.nan_to_num(out["rollout_reward"], nan=0.0)
-    if packed.support is not None:
+    if not np.isfinite(packed.rollout_reward).all():
+        out["rollout_reward"] = np.nan_to_num(packed.rollout_reward, nan=0.0)
+    if packed.support_capacity is not None:
         support = packed.cells("support")
         if (support[~completion] != -1).any():
             raise ValueError("a chain carries sampling support off its completion tokens")
         out["support"] = support[completion]
     return out
+
+
+def _run_bounds(values: np.ndarray) -> np.ndarray:
+    """Where the runs of equal values start, then `len(values)`."""
+    n = len(values)
+    edges = np.ones(n + 1, dtype=bool)
+    np.not_equal(values[1:], values[:-1], out=edges[1:n])
+    return np.flatnonzero(edges)
 
 
 def expand(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

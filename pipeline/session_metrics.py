@@ -57,19 +57,23 @@ def _merge_ratio(rollouts: Sequence[Rollout]) -> float:
 
 def _masking(groups: Sequence[Group], packed: PackedBatch) -> dict[str, float]:
     """Share of rollouts, and of their completion tokens, that do not train."""
-    trained = {
-        (int(g), int(s)): bool(t)
-        for g, s, t in zip(packed.rollout_group, packed.rollout_sample, packed.rollout_trained, strict=True)
-    }
+    trained = dict(zip(zip(packed.rollout_group.tolist(), packed.rollout_sample.tolist(), strict=True),
+                       packed.rollout_trained.tolist(), strict=True))
     rollouts = [r for g in groups for r in g.rollouts]
     masked = [r for g in groups for r in g.rollouts if not trained.get((g.group, r.sample), True)]
     out: dict[str, float] = {}
     if rollouts:
         out["masked_share"] = len(masked) / len(rollouts)
-    completion = sum(c.loss_tokens for r in rollouts for c in r.chains)
+    completion = _completion_tokens(rollouts)
     if completion:
-        out["masked_token_share"] = sum(c.loss_tokens for r in masked for c in r.chains) / completion
+        out["masked_token_share"] = _completion_tokens(masked) / completion
     return out
+
+
+def _completion_tokens(rollouts: Sequence[Rollout]) -> int:
+    """The completion (loss) tokens of the rollouts' chains, counted in one pass."""
+    masks = [c.loss_mask for r in rollouts for c in r.chains]
+    return int(np.count_nonzero(np.concatenate(masks))) if masks else 0
 
 
 def _rewards(rollouts: Sequence[Rollout]) -> dict[str, float]:
@@ -102,8 +106,9 @@ def _token_lag(packed: PackedBatch, updates: int) -> dict[str, float]:
     versions = packed.cells("versions")[packed.cells("loss_mask")]  # the padding has no loss
     if not versions.size:
         return {}
-    lag = updates - versions.astype(np.int64)
-    return {"token_lag_mean": float(lag.mean()), "token_lag_max": float(lag.max())}
+    # the lags' sum, exact in int64: the mean is that sum over the count, as numpy's mean gives
+    lag_sum = updates * versions.size - int(np.add.reduce(versions, dtype=np.int64))
+    return {"token_lag_mean": lag_sum / versions.size, "token_lag_max": float(updates - int(versions.min()))}
 
 
 def session_metrics(admitted: Sequence[Group], packed: PackedBatch, *, updates: int) -> dict[str, float]:

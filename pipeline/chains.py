@@ -140,7 +140,8 @@ class _ChainBuilder:
             TOKEN_DTYPE, copy=False)
         loss_mask = np.zeros(n, dtype=bool)
         logprobs = np.zeros(n, dtype=LOGPROB_DTYPE)
-        versions = np.full(n, NO_VERSION, dtype=VERSION_DTYPE)
+        versions = np.empty(n, dtype=VERSION_DTYPE)
+        versions.fill(NO_VERSION)  # np.full's Python layer costs more than the fill
         spans = []
         supported = False
         for start, call in self.calls_at:

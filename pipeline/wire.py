@@ -29,7 +29,7 @@ import struct
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import partial
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import msgpack
@@ -425,12 +425,15 @@ _INT_CODES = {4: "i", 8: "q"}  # `struct` codes of the little-endian ints of `_C
 
 def _packed(name: str, values: list[int]) -> bytes:
     """`values` as the packed little-endian ints of chain field `name` (as numpy's `tobytes`)."""
-    return _packer(name, len(values)).pack(*values)
+    packer = _PACKERS.get((name, len(values)))
+    if packer is None:
+        packer = struct.Struct(f"<{len(values)}{_INT_CODES[_CHAIN_DTYPES[name].itemsize]}")
+        if len(values) <= 4:  # the usual counts of chains and version runs, kept
+            _PACKERS[name, len(values)] = packer
+    return packer.pack(*values)
 
 
-@lru_cache(maxsize=256)
-def _packer(name: str, n: int) -> struct.Struct:
-    return struct.Struct(f"<{n}{_INT_CODES[_CHAIN_DTYPES[name].itemsize]}")
+_PACKERS: dict[tuple[str, int], struct.Struct] = {}
 
 def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
     """`{"dtype", "shape", "data"}` (a step's arrays) or, with `dtype`, `{"shape", "data"}`."""
@@ -759,12 +762,12 @@ def _wire(v: Any, depth: int = 0) -> Any:
         made = v.__dict__.get(_MADE, _NONE_MADE)
         for name in v.SPEC:  # the fields, in order
             value = getattr(v, name)
-            if name in made and made[name][0] is value:
+            if value is None or type(value) in _SCALARS:  # (which every special form leaves as is)
+                out[name] = value
+            elif name in made and made[name][0] is value:
                 out[name] = made[name][1]
             elif name in special:
                 out[name] = special[name](value)
-            elif value is None or type(value) in _SCALARS:
-                out[name] = value
             elif type(value) is Status:
                 out[name] = value.value
             elif type(value) is dict and all(x is None or type(x) in _SCALARS for x in value.values()):

@@ -153,11 +153,12 @@ class _ChainBuilder:
             supported = supported or call.support is not None
         chains = []
         for (first, first_call), (end, end_call), call_tokens in zip(bounds, bounds[1:], self.call_tokens):
-            arrays = (tokens, loss_mask, logprobs, versions)  # one chain: the session's arrays themselves
-            if len(bounds) > 2:
-                arrays = tuple(a[first:end] for a in arrays)
+            whole = len(bounds) == 2  # one chain: the session's arrays themselves, not views
+            part = slice(first, end)
             support = self._support(first, end, self.calls_at[first_call:end_call]) if supported else None
-            chains.append(Chain(*arrays, support=support, calls=end_call - first_call, call_tokens=call_tokens))
+            chains.append(Chain(tokens if whole else tokens[part], loss_mask if whole else loss_mask[part],
+                                logprobs if whole else logprobs[part], versions if whole else versions[part],
+                                support, end_call - first_call, call_tokens))
         return Merged(tuple(chains), tokens, loss_mask, logprobs, versions, tuple(spans), supported)
 
     @staticmethod

@@ -361,7 +361,6 @@ def _chains_wire(chains: Any) -> Any:
     return out
 
 
-
 def _made_wire(result: Result, merged: Merged) -> None:
     """Refuse what decoding refuses of a session's merged chains (`merged`, whose chains are
     `result.chains`), with the field and reason decoding gives; then mark those chains
@@ -434,6 +433,7 @@ def _packed(name: str, values: list[int]) -> bytes:
 
 
 _PACKERS: dict[tuple[str, int], struct.Struct] = {}
+
 
 def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
     """`{"dtype", "shape", "data"}` (a step's arrays) or, with `dtype`, `{"shape", "data"}`."""

@@ -89,23 +89,6 @@ class Chain:
                      support, self.calls, self.call_tokens)
 
 
-class Merged(NamedTuple):
-    """A session's calls merged into chains, laid end to end: each chain's arrays are a slice
-    of the session's flat `tokens`, `loss_mask`, `logprobs` and `versions` (one array each),
-    and `spans` holds each call's completion as (first token, past its last token) in those
-    arrays, in call order (the loss tokens, in the order the wire carries them). An encoder
-    reads these instead of concatenating the chains' arrays again. `supported`: some call
-    has sampling support (the chains then carry it; the flat arrays hold none)."""
-
-    chains: tuple[Chain, ...]
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    spans: tuple[tuple[int, int], ...]
-    supported: bool
-
-
 class _ChainBuilder:
     """Lays out the chains of a session end to end, then fills each of the session's arrays
     once (one concatenation of the token pieces; the loss mask, log-probs and versions
@@ -191,6 +174,23 @@ def _extends(call: Call, prev: Call) -> bool:
     return bool(
         np.array_equal(head[:p], prev.prompt_ids) and np.array_equal(head[p : p + c], prev.completion_ids)
     )
+
+
+class Merged(NamedTuple):
+    """A session's calls merged into chains, laid end to end: each chain's arrays are a slice
+    of the session's flat `tokens`, `loss_mask`, `logprobs` and `versions` (one array each),
+    and `spans` holds each call's completion as (first token, past its last token) in those
+    arrays, in call order (the loss tokens, in the order the wire carries them). An encoder
+    reads these instead of concatenating the chains' arrays again. `supported`: some call
+    has sampling support (the chains then carry it; the flat arrays hold none)."""
+
+    chains: tuple[Chain, ...]
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    spans: tuple[tuple[int, int], ...]
+    supported: bool
 
 
 def merge_calls(calls: Sequence[Call]) -> list[Chain]:

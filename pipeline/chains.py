@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -89,13 +90,20 @@ class Chain:
 
 
 class _ChainBuilder:
-    """Accumulates the pieces of one chain; fills each array once at the end (no quadratic copy)."""
+    """Lays out the chains of a session end to end, then fills each of the session's arrays
+    once (one concatenation of the token pieces; the loss mask, log-probs and versions
+    written in place) and makes every chain a slice of them."""
 
     def __init__(self) -> None:
         self.tokens: list[np.ndarray] = []
         self.calls_at: list[tuple[int, Call]] = []  # each completion's first token, its call
+        self.opened: list[tuple[int, int]] = []  # each chain's first token and first call (in calls_at)
+        self.call_tokens: list[int] = []  # per chain
         self.length = 0
-        self.call_tokens = 0
+
+    def open(self) -> None:
+        self.opened.append((self.length, len(self.calls_at)))
+        self.call_tokens.append(0)
 
     def add_prompt(self, ids: np.ndarray) -> None:
         self.tokens.append(ids)
@@ -104,33 +112,56 @@ class _ChainBuilder:
     def add_completion(self, call: Call) -> None:
         self.calls_at.append((self.length, call))
         self.add_prompt(np.asarray(call.completion_ids))
-        self.call_tokens += len(call.prompt_ids) + len(call.completion_ids)
+        self.call_tokens[-1] += len(call.prompt_ids) + len(call.completion_ids)
 
-    def build(self) -> Chain:
+    def build(self) -> Merged:
+        bounds = [*self.opened, (self.length, len(self.calls_at))]
+        for (first, first_call), (end, end_call) in zip(bounds, bounds[1:]):
+            self._check_logprobs(end - first, self.calls_at[first_call:end_call])
         n = self.length
-        logprobs_n = n - sum(len(call.completion_ids) - len(call.logprobs) for _, call in self.calls_at)
-        if logprobs_n != n:  # a call changed after it was made
-            raise ValueError(f"Chain.logprobs has shape ({logprobs_n},), expected ({n},)")
-        tokens = np.concatenate(self.tokens).astype(TOKEN_DTYPE, copy=False)
+        tokens = (np.concatenate(self.tokens) if self.tokens else np.zeros(0, TOKEN_DTYPE)).astype(
+            TOKEN_DTYPE, copy=False)
         loss_mask = np.zeros(n, dtype=bool)
         logprobs = np.zeros(n, dtype=LOGPROB_DTYPE)
-        versions = np.full(n, NO_VERSION, dtype=VERSION_DTYPE)
+        versions = np.empty(n, dtype=VERSION_DTYPE)
+        versions.fill(NO_VERSION)  # np.full's Python layer costs more than the fill
+        spans = []
+        supported = False
         for start, call in self.calls_at:
             end = start + len(call.completion_ids)
             loss_mask[start:end] = True
             logprobs[start:end] = call.logprobs
             versions[start:end] = call.version
-        return Chain(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, versions=versions,
-                     support=self._support(), calls=len(self.calls_at), call_tokens=self.call_tokens)
+            spans.append((start, end))
+            supported = supported or call.support is not None
+        chains = []
+        for (first, first_call), (end, end_call), call_tokens in zip(bounds, bounds[1:], self.call_tokens):
+            whole = len(bounds) == 2  # one chain: the session's arrays themselves, not views
+            part = slice(first, end)
+            support = self._support(first, end, self.calls_at[first_call:end_call]) if supported else None
+            chains.append(Chain(tokens if whole else tokens[part], loss_mask if whole else loss_mask[part],
+                                logprobs if whole else logprobs[part], versions if whole else versions[part],
+                                support, end_call - first_call, call_tokens))
+        return Merged(tuple(chains), tokens, loss_mask, logprobs, versions, tuple(spans), supported)
 
-    def _support(self) -> np.ndarray | None:
-        widths = [call.support.shape[1] for _, call in self.calls_at if call.support is not None]
+    @staticmethod
+    def _check_logprobs(n: int, calls_at: list[tuple[int, Call]]) -> None:
+        """A chain of `n` tokens must get a log-prob for each (a call changed after it was made)."""
+        logprobs_n = n - sum(len(call.completion_ids) - len(call.logprobs) for _, call in calls_at)
+        if logprobs_n != n:
+            raise ValueError(f"Chain.logprobs has shape ({logprobs_n},), expected ({n},)")
+
+    @staticmethod
+    def _support(first: int, end: int, calls_at: list[tuple[int, Call]]) -> np.ndarray | None:
+        """The support of the chain of tokens [first, end), None when none of its calls has any."""
+        widths = [call.support.shape[1] for _, call in calls_at if call.support is not None]
         if not widths:
             return None
-        support = np.full((self.length, max(widths)), -1, dtype=TOKEN_DTYPE)
-        for start, call in self.calls_at:
+        support = np.full((end - first, max(widths)), -1, dtype=TOKEN_DTYPE)
+        for start, call in calls_at:
             if call.support is not None:
-                support[start:start + len(call.completion_ids), : call.support.shape[1]] = call.support
+                at = start - first
+                support[at:at + len(call.completion_ids), : call.support.shape[1]] = call.support
         return support
 
 
@@ -145,25 +176,42 @@ def _extends(call: Call, prev: Call) -> bool:
     )
 
 
+class Merged(NamedTuple):
+    """A session's calls merged into chains, laid end to end: each chain's arrays are a slice
+    of the session's flat `tokens`, `loss_mask`, `logprobs` and `versions` (one array each),
+    and `spans` holds each call's completion as (first token, past its last token) in those
+    arrays, in call order (the loss tokens, in the order the wire carries them). An encoder
+    reads these instead of concatenating the chains' arrays again. `supported`: some call
+    has sampling support (the chains then carry it; the flat arrays hold none)."""
+
+    chains: tuple[Chain, ...]
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    spans: tuple[tuple[int, int], ...]
+    supported: bool
+
+
 def merge_calls(calls: Sequence[Call]) -> list[Chain]:
     """Merge a session's calls, in order, into chains (see the module docstring)."""
-    chains: list[Chain] = []
-    builder: _ChainBuilder | None = None
+    return list(merged_calls(calls).chains)
+
+
+def merged_calls(calls: Sequence[Call]) -> Merged:
+    """`merge_calls`, with the session's flat arrays the chains are slices of."""
+    builder = _ChainBuilder()
     prev: Call | None = None
     for call in calls:
-        if builder is not None and prev is not None and _extends(call, prev):
+        if prev is not None and _extends(call, prev):
             start = len(prev.prompt_ids) + len(prev.completion_ids)
             builder.add_prompt(np.asarray(call.prompt_ids)[start:])
         else:
-            if builder is not None:
-                chains.append(builder.build())
-            builder = _ChainBuilder()
+            builder.open()
             builder.add_prompt(np.asarray(call.prompt_ids))
         builder.add_completion(call)
         prev = call
-    if builder is not None:
-        chains.append(builder.build())
-    return chains
+    return builder.build()
 
 
 def merge_ratio(chains: Sequence[Chain]) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import struct
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import msgspec
 import numpy as np
 
 from pipeline.chains import (
-    NO_VERSION, VERSION_DTYPE, Chain, chains_to_arrays, merge_calls, uniform_support)
+    NO_VERSION, VERSION_DTYPE, Chain, Merged, chains_to_arrays, merged_calls, uniform_support)
 from pipeline.config import MAX_MESSAGE_BYTES
 from pipeline.packing import Rollout
 from pipeline.ready import ReadyRecord, decode_record, record_builtins
@@ -360,6 +361,80 @@ def _chains_wire(chains: Any) -> Any:
     return out
 
 
+def _made_wire(result: Result, merged: Merged) -> None:
+    """Refuse what decoding refuses of a session's merged chains (`merged`, whose chains are
+    `result.chains`), with the field and reason decoding gives; then mark those chains
+    checked and keep their wire form with `result` (`_MADE`), for `encode`. The calls were
+    checked when made, but a source may change them after: their values are checked here
+    once more, on the session's flat arrays (the loss mask and lengths hold by construction)."""
+    tokens = merged.tokens
+    if tokens.size:
+        low = int(_MIN(tokens))
+        if low < 0:
+            raise SchemaError("chains.tokens", f"token ids must be >= 0, got {low}")
+        if not finite_logprobs(merged.logprobs):  # 0 off the loss tokens by construction
+            raise SchemaError("chains.logprobs", "must be finite and <= 0")
+    versions, runs = _version_runs(merged)
+    if versions and min(versions) < 0:
+        raise SchemaError("chains.versions", f"must be >= 0, got {min(versions)}")
+    for c in result.chains:
+        object.__setattr__(c, _CHECKED, True)
+    object.__setattr__(result, _MADE, {"chains": (result.chains, _merged_wire(merged, versions, runs))})
+
+
+def _version_runs(merged: Merged) -> tuple[list[int], list[int]]:
+    """The loss tokens' versions, run-length encoded as the wire carries them (`versions`,
+    `version_runs`): one version per call, a run per call at most."""
+    versions: list[int] = []
+    runs: list[int] = []
+    for start, end in merged.spans:
+        if end > start:
+            version = int(merged.versions[start])
+            if versions and versions[-1] == version:
+                runs[-1] += end - start
+            else:
+                versions.append(version)
+                runs.append(end - start)
+    return versions, runs
+
+
+def _merged_wire(merged: Merged, versions: list[int], runs: list[int]) -> dict[str, Any]:
+    """The wire form `_chains_wire` makes of `merged.chains`, byte for byte, straight from the
+    session's flat arrays and completion spans: the tokens' bytes at once, the loss mask's
+    bits as one int, the loss tokens' log-probs as the bytes of each span, the per-chain
+    numbers packed from lists (no chain arrays concatenated, indexed or bit-packed again)."""
+    chains, spans, total = merged.chains, merged.spans, len(merged.tokens)
+    bits = 0
+    for start, end in spans:
+        bits |= ((1 << (end - start)) - 1) << start
+    logprobs = merged.logprobs
+    return {"lengths": _packed("lengths", [len(c) for c in chains]),
+            "calls": _packed("calls", [c.calls for c in chains]),
+            "call_tokens": _packed("call_tokens", [c.call_tokens for c in chains]),
+            "tokens": merged.tokens.tobytes(),
+            "loss_mask": bits.to_bytes((total + 7) // 8, "little"),  # np.packbits, little bit order
+            "logprobs": b"".join([logprobs[start:end].tobytes() for start, end in spans]),
+            "versions": _packed("versions", versions),
+            "version_runs": _packed("version_runs", runs),
+            "support": None}
+
+
+_INT_CODES = {4: "i", 8: "q"}  # `struct` codes of the little-endian ints of `_CHAIN_DTYPES`
+
+
+def _packed(name: str, values: list[int]) -> bytes:
+    """`values` as the packed little-endian ints of chain field `name` (as numpy's `tobytes`)."""
+    packer = _PACKERS.get((name, len(values)))
+    if packer is None:
+        packer = struct.Struct(f"<{len(values)}{_INT_CODES[_CHAIN_DTYPES[name].itemsize]}")
+        if len(values) <= 4:  # the usual counts of chains and version runs, kept
+            _PACKERS[name, len(values)] = packer
+    return packer.pack(*values)
+
+
+_PACKERS: dict[tuple[str, int], struct.Struct] = {}
+
+
 def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
     """`{"dtype", "shape", "data"}` (a step's arrays) or, with `dtype`, `{"shape", "data"}`."""
     d = _struct(v, path, ("shape", "data") if dtype is not None else ("dtype", "shape", "data"))
@@ -532,25 +607,15 @@ class Result(_SampleMessage):
         """The result of a session: its calls merged into chains (`merge_calls`). The calls
         were checked when made, but a source may change them after: the merged chains' values
         are checked here, once, for what decoding refuses of them (a SchemaError naming the
-        field, as `encode` would raise), so that `encode` does not check them again (their
+        field, as `encode` would raise), and their wire form made from the session's flat
+        arrays (`_made_wire`), so that `encode` neither checks nor converts them again (their
         arrays are not to be changed in place after this)."""
+        merged = merged_calls(session.calls)
         result = cls(shard, epoch, group, sample, attempt, consumer, session.status, session.reward,
-                     dict(session.components), tuple(merge_calls(session.calls)), session.truncation,
+                     dict(session.components), merged.chains, session.truncation,
                      dict(session.timings), error)
-        chains = [c for c in result.chains if len(c)]
-        if any(c.support is not None for c in chains):
-            return result  # sampling support: `encode` checks the chains (rare; not worth a copy here)
-        low = min((int(_MIN(c.tokens)) for c in chains), default=0)
-        if low < 0:
-            raise SchemaError("chains.tokens", f"token ids must be >= 0, got {low}")
-        if not all(finite_logprobs(c.logprobs) for c in chains):
-            raise SchemaError("chains.logprobs", "must be finite and <= 0")
-        # every loss token's version is its call's (`merge_calls`)
-        versions = [call.version for call in session.calls if len(call.completion_ids)]
-        if versions and min(versions) < 0:
-            raise SchemaError("chains.versions", f"must be >= 0, got {min(versions)}")
-        for c in result.chains:
-            object.__setattr__(c, _CHECKED, True)
+        if not merged.supported:  # sampling support: `encode` checks the chains (rare)
+            _made_wire(result, merged)
         return result
 
     @property
@@ -694,12 +759,19 @@ def _wire(v: Any, depth: int = 0) -> Any:
     if isinstance(v, Message):
         out = {"v": SCHEMA_VERSION, "k": v.KIND}
         special = v.WIRE
+        made = v.__dict__.get(_MADE, _NONE_MADE)
         for name in v.SPEC:  # the fields, in order
             value = getattr(v, name)
-            if name in special:
-                out[name] = special[name](value)
-            elif value is None or type(value) in _SCALARS:
+            if value is None or type(value) in _SCALARS:  # (which every special form leaves as is)
                 out[name] = value
+            elif name in made and made[name][0] is value:
+                out[name] = made[name][1]
+            elif name in special:
+                out[name] = special[name](value)
+            elif type(value) is Status:
+                out[name] = value.value
+            elif type(value) is dict and all(x is None or type(x) in _SCALARS for x in value.values()):
+                out[name] = value  # what the walk below would copy (only packed, never changed)
             else:
                 out[name] = _wire(value, depth + 1)
         return out
@@ -724,6 +796,8 @@ def _wire(v: Any, depth: int = 0) -> Any:
 _SCALARS = frozenset({int, float, str, bytes, bool})  # wire values as they are
 _MERGED = frozenset({"chains"})  # a Result's fields `from_session` checked
 _CHECKED = "_checked_by_from_session"  # the attribute that marks a Chain `from_session` checked
+_MADE = "_wire_made"  # a message's attribute: wire forms made with it, {field: (its value, wire form)}
+_NONE_MADE: dict[str, tuple[Any, Any]] = {}
 _TRUSTED = (Work, Cancel)
 
 

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from operator import itemgetter
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import msgpack
@@ -221,6 +222,8 @@ _CHAIN_DTYPES: dict[str, np.dtype] = {"lengths": np.dtype("<i4"), "calls": np.dt
                  "versions": VERSION_DTYPE, "version_runs": np.dtype("<i4")}
 _CHAIN_FIELDS = (*_CHAIN_DTYPES, "support")
 _CHAIN_KEYS = frozenset(_CHAIN_FIELDS)
+_CHAIN_VIEWS = tuple(_CHAIN_DTYPES.items())
+_CHAIN_GET = itemgetter(*_CHAIN_DTYPES)  # a chains map's arrays, in `_CHAIN_DTYPES` order
 
 
 def _chains(v: Any, path: str) -> tuple[Chain, ...]:
@@ -232,19 +235,21 @@ def _chain_parts(v: Any, path: str) -> tuple:
     """The checked pieces of chains' wire arrays (what `encode` checks, expanding nothing).
 
     The per-chain arrays (a handful of entries) are checked as Python lists, the per-token
-    ones with one numpy reduction per check: a result decodes in a few dozen numpy calls
-    whatever its chain count (the admission consumer decodes every result once, on input)."""
+    ones with one numpy reduction per check: a result decodes in about a dozen numpy calls
+    whatever its chain count (the admission consumer decodes every result once, on input).
+    The checks run in a fixed order, so that a message with several faults is refused for
+    the first of them, whichever path decodes it."""
     d = v if type(v) is dict and v.keys() == _CHAIN_KEYS else _struct(v, path, _CHAIN_FIELDS)
-    a = {}
-    for name, dtype in _CHAIN_DTYPES.items():
-        data = d[name]  # well-formed bytes viewed here, anything else refused by `_flat`
-        a[name] = (np.frombuffer(data, dtype) if type(data) is bytes and not len(data) % dtype.itemsize
-                   else _flat(data, f"{path}.{name}", dtype))
-    lengths, calls, call_tokens = (a[name].tolist() for name in ("lengths", "calls", "call_tokens"))
+    # well-formed bytes are viewed here, anything else refused by `_flat`
+    lengths, calls, call_tokens, tokens, bits, logprobs, versions, runs = [
+        np.frombuffer(data, dtype) if type(data) is bytes and not len(data) % dtype.itemsize
+        else _flat(data, f"{path}.{name}", dtype) for (name, dtype), data in zip(_CHAIN_VIEWS, _CHAIN_GET(d))]
+    lengths, calls, call_tokens = lengths.tolist(), calls.tolist(), call_tokens.tolist()
     n = len(lengths)
-    for name, values in (("calls", calls), ("call_tokens", call_tokens)):
-        if len(values) != n:
-            raise SchemaError(f"{path}.{name}", f"{len(values)} entries for {n} chains")
+    if len(calls) != n:
+        raise SchemaError(f"{path}.calls", f"{len(calls)} entries for {n} chains")
+    if len(call_tokens) != n:
+        raise SchemaError(f"{path}.call_tokens", f"{len(call_tokens)} entries for {n} chains")
     if n and min(lengths) < 0:
         raise SchemaError(f"{path}.lengths", f"must be >= 0, got {min(lengths)}")
     if n and min(calls) < 1:
@@ -252,22 +257,21 @@ def _chain_parts(v: Any, path: str) -> tuple:
     if any(t < length for t, length in zip(call_tokens, lengths)):
         raise SchemaError(f"{path}.call_tokens", "must be >= the chain's length")
     total = sum(lengths)
-    tokens = a["tokens"]
     if len(tokens) != total:
         raise SchemaError(f"{path}.tokens", f"{len(tokens)} entries, the lengths sum to {total}")
-    _ids(tokens, f"{path}.tokens")
-    bits = a["loss_mask"]
-    if len(bits) != (total + 7) // 8:
+    if total and _MIN(tokens, axis=None) < 0:
+        _ids(tokens, f"{path}.tokens")
+    if len(bits) != (total + 7) >> 3:
         raise SchemaError(f"{path}.loss_mask", f"{len(bits)} bytes for {total} bits")
-    if total % 8 and int(bits[-1]) >> (total % 8):
+    if total & 7 and int(bits[-1]) >> (total & 7):
         raise SchemaError(f"{path}.loss_mask", "the padding bits of the last byte must be 0")
     loss = np.unpackbits(bits, count=total, bitorder="little").view(bool)
     n_loss = int(np.count_nonzero(loss))
-    logprobs, versions, runs = a["logprobs"], a["versions"].tolist(), a["version_runs"].tolist()
     if len(logprobs) != n_loss:
         raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} entries for {n_loss} loss tokens")
     if n_loss and not finite_logprobs(logprobs):
         raise SchemaError(f"{path}.logprobs", "must be finite and <= 0")
+    versions, runs = versions.tolist(), runs.tolist()
     if len(runs) != len(versions):
         raise SchemaError(f"{path}.version_runs", f"{len(runs)} runs for {len(versions)} versions")
     if versions and min(versions) < 0:
@@ -277,15 +281,22 @@ def _chain_parts(v: Any, path: str) -> tuple:
     if sum(runs) != n_loss:
         raise SchemaError(f"{path}.version_runs", f"the runs cover {sum(runs)} tokens, "
                           f"not the {n_loss} loss tokens")
-    where = f"{path}.support"
-    support = None if d["support"] is None else _ids(_array(d["support"], where, TOKEN_DTYPE), where, -1)
-    if support is not None and (support.ndim != 2 or support.shape[0] != n_loss):
+    support = d["support"]
+    if support is not None:
+        support = _support(support, f"{path}.support", total, n_loss)
+    return tokens, lengths, calls, call_tokens, loss, logprobs, versions, runs, support
+
+
+def _support(v: Any, where: str, total: int, n_loss: int) -> np.ndarray:
+    """The checked support rows of a result's loss tokens (`[n_loss, k]`)."""
+    support = _ids(_array(v, where, TOKEN_DTYPE), where, -1)
+    if support.ndim != 2 or support.shape[0] != n_loss:
         raise SchemaError(f"{where}.shape", f"must be [{n_loss}, k] (a row per loss token), got "
                           f"{list(support.shape)}")
-    if support is not None and total * support.shape[1] > MAX_MESSAGE_BYTES:  # expanded to every token
+    if total * support.shape[1] > MAX_MESSAGE_BYTES:  # expanded to every token
         raise SchemaError(f"{where}.shape", f"[{total}, {support.shape[1]}] once expanded to every "
                           f"token is more than {MAX_MESSAGE_BYTES} entries")
-    return tokens, lengths, calls, call_tokens, loss, logprobs, versions, runs, support
+    return support
 
 
 def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], call_tokens: list[int],
@@ -295,15 +306,18 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
     every token (0, -1 and -1 off the loss tokens)."""
     total = len(tokens)
     full_logprobs = np.zeros(total, LOGPROB_DTYPE)
-    full_logprobs[loss] = logprobs
-    full_versions = np.full(total, NO_VERSION, VERSION_DTYPE)
-    # one version served every loss token (a single call, usually), or one per run
-    full_versions[loss] = versions[0] if len(versions) == 1 else np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
-    full_support = None
-    if support is not None:
-        full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
-        full_support[loss] = support
+    full_versions = np.empty(total, VERSION_DTYPE)
+    full_versions.fill(NO_VERSION)
+    full_support = None if support is None else np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
+    if len(logprobs):
+        full_logprobs[loss] = logprobs
+        # one version served every loss token (a single call, usually), or one per run
+        full_versions[loss] = versions[0] if len(versions) == 1 else np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
+        if full_support is not None:
+            full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
+    if len(lengths) == 1:  # one chain (usually): the arrays as they are
+        return (Chain(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0]),)
     out = []
     start = 0
     for i, length in enumerate(lengths):

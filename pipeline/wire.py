@@ -303,7 +303,9 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
                    loss: np.ndarray, logprobs: np.ndarray, versions: list[int], runs: list[int],
                    support: np.ndarray | None) -> tuple[Chain, ...]:
     """Chains from their checked wire pieces: log-probs, versions and support put back on
-    every token (0, -1 and -1 off the loss tokens)."""
+    every token (0, -1 and -1 off the loss tokens). The shapes `Chain` checks hold by
+    construction (every array cut at the same bounds, `call_tokens` checked against the
+    lengths): the chains are built without checking them again (`Chain.trusted`)."""
     total = len(tokens)
     full_logprobs = np.zeros(total, LOGPROB_DTYPE)
     full_versions = np.empty(total, VERSION_DTYPE)
@@ -317,15 +319,15 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
             full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
     if len(lengths) == 1:  # one chain (usually): the arrays as they are
-        return (Chain(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0]),)
+        return (Chain.trusted(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0]),)
     out = []
     start = 0
     for i, length in enumerate(lengths):
         end = start + length
-        out.append(Chain(tokens[start:end], loss[start:end], full_logprobs[start:end],
-                         full_versions[start:end],
-                         None if full_support is None else full_support[start:end],
-                         calls[i], call_tokens[i]))
+        out.append(Chain.trusted(tokens[start:end], loss[start:end], full_logprobs[start:end],
+                                 full_versions[start:end],
+                                 None if full_support is None else full_support[start:end],
+                                 calls[i], call_tokens[i]))
         start = end
     return tuple(out)
 

@@ -105,6 +105,17 @@ def test_chain_rejects_mismatched_arrays() -> None:
         Chain(np.zeros(3, np.int32), np.zeros(2, bool), np.zeros(3, np.float32), np.zeros(3, np.int32))
 
 
+def test_trusted_chain_is_the_checked_one() -> None:
+    """`Chain.trusted` (the decoder's) sets the same fields `Chain` would, with no checks."""
+    tokens, loss = np.arange(4, dtype=np.int32), np.array([0, 1, 1, 0], bool)
+    logprobs, versions = np.where(loss, -0.5, 0).astype(np.float32), np.where(loss, 2, -1).astype(np.int32)
+    for support in (None, np.full((4, 2), -1, np.int32)):
+        checked = Chain(tokens, loss, logprobs, versions, support, calls=2, call_tokens=9)
+        trusted = Chain.trusted(tokens, loss, logprobs, versions, support, 2, 9)
+        assert type(trusted) is Chain and vars(trusted) == vars(checked)
+        assert len(trusted) == 4 and trusted.loss_tokens == 2 and trusted.head(2).tokens.tolist() == [0, 1]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     turns=st.lists(

@@ -686,16 +686,27 @@ _UNCOMPILED = {cls: tuple((name, check) for name, check in cls.SPEC.items() if c
 _ANY_KIND: Any = Union[tuple(_COMPILED)]  # tagged by "k"
 _DECODER = msgspec.msgpack.Decoder(_ANY_KIND)
 _REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs or a checker
+# The kinds whose decoded messages get their checked values set directly, without the
+# dataclass's __init__ (a frozen dataclass sets each field through object.__setattr__): those
+# without a __post_init__, and Result, whose __post_init__ gives the chains one support
+# width, which decoded chains have by construction (`_expand_chains`). A kind that gains a
+# __post_init__ is built through it.
+_DIRECT = frozenset(cls for cls in _KINDS.values() if cls is Result or not hasattr(cls, "__post_init__"))
+_new = object.__new__
 
 
 def _compiled(struct: msgspec.Struct) -> Message:
     """The message of a struct `_DECODER` accepted, its remaining fields checked."""
     cls = _COMPILED[type(struct)]
-    values = msgspec.structs.asdict(struct)
+    values = msgspec.structs.asdict(struct)  # "v", then the fields in their order
     del values["v"]
     for name, check in _UNCOMPILED[cls]:
         values[name] = check(values[name], name)
-    return cls(**values)
+    if cls not in _DIRECT:
+        return cls(**values)
+    msg = _new(cls)
+    object.__setattr__(msg, "__dict__", values)
+    return msg
 
 
 # ---------------------------------------------------------------- codec

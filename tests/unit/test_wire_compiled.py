@@ -6,6 +6,7 @@ by `_parse`, so refusals read the same by construction; `test_fuzz_wire` checks 
 
 from __future__ import annotations
 
+import dataclasses
 import msgpack
 import msgspec
 import pytest
@@ -45,6 +46,17 @@ def test_valid_messages_take_the_compiled_path(cls, data):
     msg = data.draw(MESSAGES[cls], label="message")
     assert same_as_parsed(wire.encode(msg))
     checked_as_parsed(wire._wire(msg))
+
+
+@pytest.mark.parametrize("cls", KINDS, ids=lambda cls: cls.KIND)
+@FUZZ
+@given(data=st.data())
+def test_decoded_messages_hold_what_their_constructor_sets(cls, data):
+    """The decoder sets a kind's checked values directly (`wire._DIRECT`, no __init__): the
+    message holds exactly what the kind's constructor builds of the same values."""
+    msg = wire.decode(wire.encode(data.draw(MESSAGES[cls], label="message")))
+    built = cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+    assert type(msg) is cls and list(vars(msg)) == list(vars(built)) and msg == built
 
 
 def damaged(cls, data):

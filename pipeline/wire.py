@@ -319,7 +319,8 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
             full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
     if len(lengths) == 1:  # one chain (usually): the arrays as they are
-        return (Chain.trusted(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0]),)
+        return (Chain.trusted(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0],
+                              versions),)
     out = []
     start = 0
     for i, length in enumerate(lengths):
@@ -573,8 +574,7 @@ class Result(_SampleMessage):
     def oldest_version(self) -> int | None:
         """The weight version of the oldest completion token (None without any): the
         rollout's staleness. A call that completed no token carries no version here."""
-        served = [c.versions[c.loss_mask] for c in self.chains]
-        return min((int(_MIN(v)) for v in served if v.size), default=None)
+        return min((v for c in self.chains if (v := c.oldest_version) is not None), default=None)
 
     def rollout(self) -> Rollout:
         """What packing needs of this result (the chains as they are, no merge)."""

@@ -114,6 +114,12 @@ def test_trusted_chain_is_the_checked_one() -> None:
         trusted = Chain.trusted(tokens, loss, logprobs, versions, support, 2, 9)
         assert type(trusted) is Chain and vars(trusted) == vars(checked)
         assert len(trusted) == 4 and trusted.loss_tokens == 2 and trusted.head(2).tokens.tolist() == [0, 1]
+        served = Chain.trusted(tokens, loss, logprobs, versions, support, 2, 9, served=[2])
+        assert served.oldest_version == checked.oldest_version == 2
+    unserved = Chain(tokens, np.zeros(4, bool), np.zeros(4, np.float32), np.full(4, -1, np.int32))
+    assert unserved.oldest_version is None
+    assert Chain.trusted(*(getattr(unserved, f) for f in ("tokens", "loss_mask", "logprobs", "versions")),
+                         None, 1, 4, served=[]).oldest_version is None
 
 
 @settings(max_examples=60, deadline=None)

@@ -200,6 +200,7 @@ def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray
 
 
 _MIN = np.minimum.reduce  # an array's min, without `ndarray.min`'s Python layer
+_MAX = np.maximum.reduce
 
 
 def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
@@ -863,7 +864,10 @@ def to_fields(msg: Message, *, trusted: bool = False, max_bytes: int = MAX_MESSA
 def from_fields(fields: Mapping, expect: type | tuple[type, ...] | None = None, *,
                 max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """The message of a stream entry's fields (as redis-py returns them)."""
-    data = fields.get(FIELD, fields.get("m")) if isinstance(fields, Mapping) else None
+    if type(fields) is dict or isinstance(fields, Mapping):  # redis-py's dict: no ABC check
+        data = fields[FIELD] if FIELD in fields else fields.get("m")
+    else:
+        data = None
     if data is None:
         raise SchemaError("m", "missing")
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -896,8 +900,8 @@ def check_result(result: Result, *, vocab: int | None = None) -> None:
     for chain in result.chains:
         if vocab is None:
             continue
-        if len(chain) and int(chain.tokens.max()) >= vocab:
-            raise SchemaError("chains.tokens", f"token id {int(chain.tokens.max())} is beyond the "
+        if len(chain) and (top := int(_MAX(chain.tokens, axis=None))) >= vocab:
+            raise SchemaError("chains.tokens", f"token id {top} is beyond the "
                               f"vocabulary of {vocab} (the config's vocab)")
         if chain.support is not None and chain.support.size and int(chain.support.max()) >= vocab:
             raise SchemaError("chains.support", f"token id {int(chain.support.max())} is beyond the "

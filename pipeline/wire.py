@@ -266,7 +266,7 @@ def _chain_parts(v: Any, path: str) -> tuple:
         raise SchemaError(f"{path}.loss_mask", f"{len(bits)} bytes for {total} bits")
     if total & 7 and int(bits[-1]) >> (total & 7):
         raise SchemaError(f"{path}.loss_mask", "the padding bits of the last byte must be 0")
-    loss = np.unpackbits(bits, count=total, bitorder="little").view(bool)
+    loss = np.unpackbits(bits, None, total, "little").view(bool)  # axis, count, bitorder (by position: 0.3 us less)
     n_loss = int(np.count_nonzero(loss))
     if len(logprobs) != n_loss:
         raise SchemaError(f"{path}.logprobs", f"{len(logprobs)} entries for {n_loss} loss tokens")

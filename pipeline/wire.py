@@ -311,13 +311,14 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
     full_logprobs = np.zeros(total, LOGPROB_DTYPE)
     full_versions = np.empty(total, VERSION_DTYPE)
     full_versions.fill(NO_VERSION)
-    full_support = None if support is None else np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
     if len(logprobs):
         full_logprobs[loss] = logprobs
         # one version served every loss token (a single call, usually), or one per run
         full_versions[loss] = versions[0] if len(versions) == 1 else np.repeat(np.asarray(versions, VERSION_DTYPE), runs)
-        if full_support is not None:
-            full_support[loss] = support
+    full_support = None
+    if support is not None:
+        full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
+        full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
     if len(lengths) == 1:  # one chain (usually): the arrays as they are
         return (Chain.trusted(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0],

@@ -689,11 +689,11 @@ _ANY_KIND: Any = Union[tuple(_COMPILED)]  # tagged by "k"
 _DECODER = msgspec.msgpack.Decoder(_ANY_KIND)
 _REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs or a checker
 # The kinds whose decoded messages get their checked values set directly, without the
-# dataclass's __init__ (a frozen dataclass sets each field through object.__setattr__): those
-# without a __post_init__, and Result, whose __post_init__ gives the chains one support
-# width, which decoded chains have by construction (`_expand_chains`). A kind that gains a
-# __post_init__ is built through it.
-_DIRECT = frozenset(cls for cls in _KINDS.values() if cls is Result or not hasattr(cls, "__post_init__"))
+# dataclass's __init__ (a frozen dataclass sets each field through object.__setattr__, 13 for
+# a Result): only Result, the message a consumer decodes for every rollout, whose
+# __post_init__ gives the chains one support width, which decoded chains have by
+# construction (`_expand_chains`). Every other kind is built through its constructor.
+_DIRECT = frozenset({Result})
 _new = object.__new__
 
 

@@ -52,8 +52,8 @@ def test_valid_messages_take_the_compiled_path(cls, data):
 @FUZZ
 @given(data=st.data())
 def test_decoded_messages_hold_what_their_constructor_sets(cls, data):
-    """The decoder sets a kind's checked values directly (`wire._DIRECT`, no __init__): the
-    message holds exactly what the kind's constructor builds of the same values."""
+    """A decoded message holds exactly what the kind's constructor builds of the same values
+    (and a Result's chains know their oldest version)."""
     sent = data.draw(MESSAGES[cls], label="message")
     msg = wire.decode(wire.encode(sent))
     built = cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -37,6 +38,8 @@ from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Call
 VERSION_DTYPE = np.dtype("<i4")
 NO_VERSION = -1
 """Version of a token the policy did not sample (prompt, tool output, padding)."""
+_new = object.__new__
+_MIN = np.minimum.reduce  # an array's min, without `ndarray.min`'s Python layer
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,23 @@ class Chain:
         if self.call_tokens < 0:
             object.__setattr__(self, "call_tokens", n)
 
+    @classmethod
+    def trusted(cls, tokens: np.ndarray, loss_mask: np.ndarray, logprobs: np.ndarray,
+                versions: np.ndarray, support: np.ndarray | None, calls: int, call_tokens: int,
+                served: Sequence[int] | None = None) -> Chain:
+        """The chain of these fields without `__post_init__`'s checks: only for arrays whose
+        shapes the caller has checked itself (the wire decoder's: every per-token array one
+        dimension of `len(tokens)` entries, `support` `[len(tokens), k]`) and a `call_tokens`
+        of at least `len(tokens)`. About a quarter of the checked constructor's time.
+        `served`: the versions that served the loss tokens, when the caller has them (the
+        decoder's runs), which gives `oldest_version` without reading the arrays."""
+        chain = _new(cls)
+        chain.__dict__.update(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, versions=versions,
+                              support=support, calls=calls, call_tokens=call_tokens)
+        if served is not None:
+            chain.__dict__["oldest_version"] = min(served, default=None)
+        return chain
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -74,6 +94,13 @@ class Chain:
     def loss_tokens(self) -> int:
         """Number of completion (loss) tokens."""
         return int(np.count_nonzero(self.loss_mask))
+
+    @cached_property
+    def oldest_version(self) -> int | None:
+        """The weight version that served the chain's oldest loss token (None without any),
+        read once (the arrays are not to be changed in place)."""
+        served = self.versions[self.loss_mask]
+        return int(_MIN(served, axis=None)) if served.size else None
 
     @property
     def support_width(self) -> int:

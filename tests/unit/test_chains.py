@@ -105,6 +105,23 @@ def test_chain_rejects_mismatched_arrays() -> None:
         Chain(np.zeros(3, np.int32), np.zeros(2, bool), np.zeros(3, np.float32), np.zeros(3, np.int32))
 
 
+def test_trusted_chain_is_the_checked_one() -> None:
+    """`Chain.trusted` (the decoder's) sets the same fields `Chain` would, with no checks."""
+    tokens, loss = np.arange(4, dtype=np.int32), np.array([0, 1, 1, 0], bool)
+    logprobs, versions = np.where(loss, -0.5, 0).astype(np.float32), np.where(loss, 2, -1).astype(np.int32)
+    for support in (None, np.full((4, 2), -1, np.int32)):
+        checked = Chain(tokens, loss, logprobs, versions, support, calls=2, call_tokens=9)
+        trusted = Chain.trusted(tokens, loss, logprobs, versions, support, 2, 9)
+        assert type(trusted) is Chain and vars(trusted) == vars(checked)
+        assert len(trusted) == 4 and trusted.loss_tokens == 2 and trusted.head(2).tokens.tolist() == [0, 1]
+        served = Chain.trusted(tokens, loss, logprobs, versions, support, 2, 9, served=[2])
+        assert served.oldest_version == checked.oldest_version == 2
+    unserved = Chain(tokens, np.zeros(4, bool), np.zeros(4, np.float32), np.full(4, -1, np.int32))
+    assert unserved.oldest_version is None
+    assert Chain.trusted(*(getattr(unserved, f) for f in ("tokens", "loss_mask", "logprobs", "versions")),
+                         None, 1, 4, served=[]).oldest_version is None
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     turns=st.lists(

@@ -6,6 +6,7 @@ by `_parse`, so refusals read the same by construction; `test_fuzz_wire` checks 
 
 from __future__ import annotations
 
+import dataclasses
 import msgpack
 import msgspec
 import pytest
@@ -45,6 +46,20 @@ def test_valid_messages_take_the_compiled_path(cls, data):
     msg = data.draw(MESSAGES[cls], label="message")
     assert same_as_parsed(wire.encode(msg))
     checked_as_parsed(wire._wire(msg))
+
+
+@pytest.mark.parametrize("cls", KINDS, ids=lambda cls: cls.KIND)
+@FUZZ
+@given(data=st.data())
+def test_decoded_messages_hold_what_their_constructor_sets(cls, data):
+    """A decoded message holds exactly what the kind's constructor builds of the same values
+    (and a Result's chains know their oldest version)."""
+    sent = data.draw(MESSAGES[cls], label="message")
+    msg = wire.decode(wire.encode(sent))
+    built = cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+    assert type(msg) is cls and list(vars(msg)) == list(vars(built)) and msg == built
+    if isinstance(sent, wire.Result):  # the decoder's chains know their oldest version
+        assert msg.oldest_version == sent.oldest_version
 
 
 def damaged(cls, data):

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import logging
 import signal
 import threading
@@ -73,6 +72,7 @@ import redis
 from consumers import journal
 from consumers.fence import Fence
 from pipeline import streams, wire
+from pipeline.collector import collect_less
 from pipeline.config import AdmissionConfig, scheduler_differences
 from pipeline.keys import TRAINER_GROUP, WORK_GROUP, Keys, admission_group
 from pipeline.metrics import Metrics, serving
@@ -876,23 +876,6 @@ def keep_freed_memory() -> bool:
     # 32 MiB is glibc's largest mmap threshold on 64-bit: larger blocks are still mapped
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)
                 and mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
-
-
-YOUNG_COLLECTION_EVERY = 50_000
-"""Allocations between two collections of the cyclic garbage collector's youngest
-generation once `collect_less` ran (Python's default is 700)."""
-
-
-def collect_less() -> None:
-    """Have Python's cyclic garbage collector scan less: the objects that exist now (the
-    modules and what importing them built) are frozen out of its generations (`gc.freeze`),
-    and its youngest generation is collected every `YOUNG_COLLECTION_EVERY` allocations,
-    so the older generations, which hold every sample the machine tracks, far more rarely.
-    With the defaults the collector took 6% to 20% of the admission loop's CPU
-    (`BENCHMARKS.md`). Reference counting frees what it always did, at once; only
-    reference cycles wait longer for a collection."""
-    gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_EVERY, *gc.get_threshold()[1:])
 
 
 def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:

@@ -70,9 +70,9 @@ from typing import Any
 
 import redis
 
-from consumers.admission import collect_less
 from consumers.sources import load_source
 from pipeline import streams, wire
+from pipeline.collector import collect_less
 from pipeline.config import ConsumerConfig
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.metrics import Metrics, serving

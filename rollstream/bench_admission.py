@@ -17,8 +17,8 @@ same bytes to another stream (pipelined). Reported: both rates and their ratio,
 pack: every result here is packed), and the
 ratio of the two loops' client CPU seconds (`cpu_ratio`: steadier than wall time on a
 shared machine; Redis's own CPU is not counted). Both loops run in this process after
-`consumers.admission.keep_freed_memory()` and `collect_less()`, as the admission process
-runs. `--repeat N` runs both N times and reports the run with the median ratio, with every
+`consumers.admission.keep_freed_memory()` and `pipeline.collector.collect_less()`, as the
+admission process runs. `--repeat N` runs both N times and reports the run with the median ratio, with every
 run's figures.
 """
 
@@ -38,6 +38,7 @@ import msgpack
 import numpy as np
 
 from pipeline import wire
+from pipeline.collector import collect_less
 from pipeline.config import AdmissionConfig, RedisConfig, build
 from pipeline.keys import Keys
 from pipeline.redis_io import connect, delete_namespace, embedded
@@ -91,8 +92,6 @@ def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
 def _collecting_less() -> Iterator[None]:
     """The garbage collector's settings of the admission process (`collect_less`) while the
     loops run, Python's back after (this may run inside another program: the tests)."""
-    from consumers.admission import collect_less
-
     threshold = gc.get_threshold()
     collect_less()
     try:

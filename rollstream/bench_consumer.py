@@ -14,7 +14,7 @@ The floor is the raw Python loop over the same entries on the same Redis, with n
 XREADGROUP (`--slots` at a time), msgpack decode of each work entry, msgpack encode of a
 result of the same size (its wire form built beforehand) and XADD, XACK of the batch
 (pipelined). Both loops run under the garbage collector's settings of the consumer process
-(`consumers.admission.collect_less`, which `consumers.rollout.main` calls at start, as the
+(`pipeline.collector.collect_less`, which `consumers.rollout.main` calls at start, as the
 admission process does). Reported: `consumer_per_s`, `floor_per_s`, their `ratio`, and the
 ratio of the two loops' client CPU seconds (`cpu_ratio`; Redis's own CPU is not counted).
 """

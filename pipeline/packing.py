@@ -131,6 +131,14 @@ class SegmentTable:
     chain: np.ndarray
 
 
+def _dense(name: str) -> cached_property[np.ndarray]:
+    """The `[rows, width]` array `name` of a `PackedBatch`, laid out on first access."""
+    def rows(self: PackedBatch) -> np.ndarray:
+        return self._rows(name)
+    rows.__doc__ = f"`[rows, width]` {name}, padded (laid out on first access)."
+    return cached_property(rows)
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """One step's packed rows (see the module docstring for the arrays).
@@ -184,33 +192,14 @@ class PackedBatch:
     def loss_tokens(self) -> int:
         return int(np.count_nonzero(self.cells("loss_mask")))
 
-    @cached_property
-    def tokens(self) -> np.ndarray:
-        return self._rows("tokens")
-
-    @cached_property
-    def positions(self) -> np.ndarray:
-        return self._rows("positions")
-
-    @cached_property
-    def segments(self) -> np.ndarray:
-        return self._rows("segments")
-
-    @cached_property
-    def loss_mask(self) -> np.ndarray:
-        return self._rows("loss_mask")
-
-    @cached_property
-    def advantages(self) -> np.ndarray:
-        return self._rows("advantages")
-
-    @cached_property
-    def logprobs(self) -> np.ndarray:
-        return self._rows("logprobs")
-
-    @cached_property
-    def versions(self) -> np.ndarray:
-        return self._rows("versions")
+    # the `[rows, width]` arrays, each laid out from its cells on first access
+    tokens = _dense("tokens")
+    positions = _dense("positions")
+    segments = _dense("segments")
+    loss_mask = _dense("loss_mask")
+    advantages = _dense("advantages")
+    logprobs = _dense("logprobs")
+    versions = _dense("versions")
 
     @cached_property
     def support(self) -> np.ndarray | None:

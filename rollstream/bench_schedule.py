@@ -61,6 +61,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from pipeline import wire
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
 from pipeline.keys import Keys
@@ -179,21 +181,20 @@ def best_share(workload: dict, waste: float) -> dict:
     two-cut-off mixture whose waste share is `waste`; staleness can only take from it (an
     unbiased policy's share is at most 1 - its waste share: above that, the share comes from
     training the short sessions)."""
-    ages, busy, ends, wasted = _cutoffs(workload)
+    ages, busy, ends, wasted = (np.array(x) for x in _cutoffs(workload))
     mean = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
-    best = (mean * ends[-1] / busy[-1], ages[-1], ages[-1], 1.0)  # never give up: share 1, no waste
-    for i in range(len(ages)):
-        over_i = wasted[i] - waste * busy[i]
-        if over_i <= 0:
-            best = max(best, (mean * ends[i] / busy[i], ages[i], ages[i], 1.0))
-            continue
-        for j in range(len(ages)):  # mix i (over `waste`) with j (under) to meet it exactly
-            over_j = wasted[j] - waste * busy[j]
-            if over_j > 0:
-                continue
-            p = -over_j / (over_i - over_j)  # the weight of i
-            share = mean * (p * ends[i] + (1 - p) * ends[j]) / (p * busy[i] + (1 - p) * busy[j])
-            best = max(best, (share, ages[i], ages[j], p))
+    over = wasted - waste * busy  # > 0: more waste than `waste` at that age alone
+    under, above = np.flatnonzero(over <= 0), np.flatnonzero(over > 0)  # the last age never wastes
+    single = mean * ends[under] / busy[under]
+    alone = float(ages[under[single.argmax()]])
+    best = (float(single.max()), alone, alone, 1.0)
+    if len(above):  # mix each age above with each below to meet `waste` exactly
+        i, j = above[:, None], under[None, :]
+        p = -over[j] / (over[i] - over[j])  # the weight of i
+        shares = mean * (p * ends[i] + (1 - p) * ends[j]) / (p * busy[i] + (1 - p) * busy[j])
+        k = np.unravel_index(shares.argmax(), shares.shape)
+        if shares[k] > best[0]:
+            best = (float(shares[k]), float(ages[above[k[0]]]), float(ages[under[k[1]]]), float(p[k]))
     share, high, low, weight = best
     return {"waste_share": waste, "share": round(share, 4), "give_up_at_s": [round(high, 4), round(low, 4)],
             "weight_of_first": round(weight, 4)}

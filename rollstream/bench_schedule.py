@@ -44,7 +44,11 @@ the trainer's wait share (the sum of its waits over wall time); the capacity bou
 mean session duration, the mean of the capped log-normal computed analytically) and the
 share of it reached; max and mean lag of the trained steps; wasted slot-seconds (sessions
 that ended cancelled: surplus, stale or closed); resubmissions by cause; the ratios of
-samples/s and utilisation to `sync` and to `group`.
+samples/s and utilisation to `sync` and to `group`; `slot_shares`, every slot-second by fate
+(trained; wasted as cancelled, superseded or surplus; at the end still `running` or
+`waiting`, finished in a group not trained yet; `idle`), whose `trained` share over
+`trained_length_vs_workload` is the share of capacity; and `first_step_s` and `step_s`, the
+first step's time from the start and the mean time of each step after it.
 """
 
 from __future__ import annotations
@@ -257,6 +261,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
     records: list[ReadyRecord] = []
     trained_pairs: set[tuple[int, int]] = set()
     waited = 0.0
+    step_times: list[float] = []
     try:
         with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload) as procs:
             _wait_up(r, keys, procs, workload["procs"])
@@ -286,6 +291,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
                 ready = writer.wait_ready(epoch, step, workload["step_timeout_s"])
                 waited += time.monotonic() - start
                 records.append(ready.record)
+                step_times.append(time.time() - t0)
                 arrays = ready.arrays
                 mask = arrays["rollout_trained"].astype(bool)
                 trained_pairs.update(zip(arrays["rollout_group"][mask].tolist(),
@@ -299,7 +305,8 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
             alive = all(p.alive for p in procs)
             if not alive:
                 raise RuntimeError("a pipeline process died:\n" + "\n".join(p.output()[-2000:] for p in procs))
-        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1, trained_pairs)
+        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1, trained_pairs,
+                        step_times)
     finally:
         delete_namespace(r, keys)
         r.close()
@@ -351,7 +358,7 @@ def _trained_attempts(spans: list[Span], trained: set[tuple[int, int]]) -> set[t
 
 def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Keys,
              records: list[ReadyRecord], waited: float, t0: float, t1: float,
-             trained_pairs: set[tuple[int, int]]) -> dict:
+             trained_pairs: set[tuple[int, int]], step_times: list[float]) -> dict:
     wall = t1 - t0
     spans = _spans(r, keys, t0, t1)
     slots = slot_accounting(spans, _trained_attempts(spans, trained_pairs))
@@ -361,13 +368,14 @@ def _measure(name: str, scheduler: SchedulerConfig, workload: dict, r, keys: Key
     for rec in records:
         resubmitted.update(rec.resubmitted)
     return _report(scheduler, workload, trained, wall, waited, lags, resubmitted, slots,
-                   sessions=len(spans))
+                   sessions=len(spans), step_times=step_times)
 
 
 def _report(scheduler: SchedulerConfig, workload: dict, trained: int, wall: float,
             waited: float, lags: list[int], resubmitted: Counter, slots: dict,
-            sessions: int) -> dict:
-    """One policy's figures (the bench's and the simulation's alike; see the module docstring)."""
+            sessions: int, step_times: list[float]) -> dict:
+    """One policy's figures (the bench's and the simulation's alike; see the module docstring).
+    `step_times`: when each step was emitted, in seconds from the run's start."""
     mean_s = capped_lognormal_mean(workload["median_ms"] / 1000, workload["sigma"], workload["cap"])
     capacity = workload["slots"] / mean_s
     rate = trained / wall
@@ -390,11 +398,24 @@ def _report(scheduler: SchedulerConfig, workload: dict, trained: int, wall: floa
         "trained_samples": trained,
         "sessions": sessions,
         "wall_s": round(wall, 3),
+        "slot_shares": slot_shares(slots["slot_s"], workload["slots"] * wall),
+        "first_step_s": round(step_times[0], 3) if step_times else None,
+        "step_s": (round((step_times[-1] - step_times[0]) / (len(step_times) - 1), 3)
+                   if len(step_times) > 1 else None),
         "config": {k: v for k, v in scheduler.model_dump().items()
                    if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill",
                             "inflight_samples", "supply", "stale_running")}
                   | {"registered_ahead": scheduler.registered_ahead},
     }
+
+
+def slot_shares(slot_s: dict[str, float], slot_seconds: float) -> dict[str, float]:
+    """Every slot-second of a run by fate (`simulate.FATES`, then `idle`), over the slots'
+    seconds: with `b` the trained sessions' mean length over the workload's, the share of the
+    capacity bound is the `trained` share over `b`."""
+    shares = {k: round(v / slot_seconds, 4) for k, v in slot_s.items()}
+    shares["idle"] = round(max(0.0, 1.0 - sum(slot_s.values()) / slot_seconds), 4)
+    return shares
 
 
 def workload_for(quick: bool, **over) -> dict:
@@ -518,7 +539,8 @@ def simulate_policy(name: str, workload: dict) -> dict:
         seed=workload["seed"], call_at_end=True),
         durations=lambda sub: source.duration_for(sub.task.id, sub.key.group, sub.key.sample,
                                                   sub.key.attempt))
-    records = [rep.record for rep in sim.steps(workload["steps"])]
+    reports = list(sim.steps(workload["steps"]))
+    records = [rep.record for rep in reports]
     wall = sim.now + workload["train_ms"] / 1000  # the bench's wall ends after the last step
     resubmitted = Counter()
     for rec in records:
@@ -526,7 +548,7 @@ def simulate_policy(name: str, workload: dict) -> dict:
     trained = sum(rec.groups for rec in records) * scheduler.groups
     return _report(scheduler, workload, trained, wall, sum(rec.waited for rec in records),
                    [rec.lag for rec in records], resubmitted, sim.accounting(),
-                   sessions=len(sim.spans))
+                   sessions=len(sim.spans), step_times=[rep.time_s for rep in reports])
 
 
 def _sleep_args(workload: dict) -> dict:

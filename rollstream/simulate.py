@@ -75,6 +75,12 @@ class Span:
     ended: bool
 
 
+FATES = ("trained", "cancelled", "superseded", "surplus", "waiting", "running")
+"""What became of an attempt's slot-seconds (`slot_accounting`): trained; wasted as
+cancelled, superseded or surplus; pending at the end as `waiting` (finished, its group not
+trained yet) or `running`."""
+
+
 def slot_accounting(spans: list[Span], trained: set[tuple[int, int, int]]) -> dict:
     """Slot-seconds by fate. An attempt is trained when `(group, sample, attempt)` is in
     `trained`; it is wasted when it ended in the window untrained and never will train:
@@ -85,12 +91,14 @@ def slot_accounting(spans: list[Span], trained: set[tuple[int, int, int]]) -> di
     over that of every attempt that ended by itself (1: no bias toward short sessions; a
     policy that cancels long sessions before they end hides part of its bias from this
     ratio, so `rollstream bench schedule` also reports the trained mean over the workload's
-    own mean), `trained_length_s` that trained mean."""
+    own mean), `trained_length_s` that trained mean, and `slot_s` the slot-seconds of each
+    of `FATES`."""
     latest: dict[tuple[int, int], int] = {}
     for s in spans:
         latest[(s.group, s.sample)] = max(latest.get((s.group, s.sample), -1), s.attempt)
     trained_groups = {g for g, _, _ in trained}
-    busy = wasted = 0.0
+    busy = 0.0
+    fates = dict.fromkeys(FATES, 0.0)
     lengths: list[float] = []
     trained_lengths: list[float] = []
     for s in spans:
@@ -100,17 +108,26 @@ def slot_accounting(spans: list[Span], trained: set[tuple[int, int, int]]) -> di
         if (s.group, s.sample, s.attempt) in trained:
             if s.length_s is not None:
                 trained_lengths.append(s.length_s)
-            continue
-        superseded = s.attempt < latest[(s.group, s.sample)]
-        if s.ended and (s.length_s is None or superseded or s.group in trained_groups):
-            wasted += s.busy_s
+            fates["trained"] += s.busy_s
+        elif not s.ended:
+            fates["running"] += s.busy_s
+        elif s.length_s is None:
+            fates["cancelled"] += s.busy_s
+        elif s.attempt < latest[(s.group, s.sample)]:
+            fates["superseded"] += s.busy_s
+        elif s.group in trained_groups:
+            fates["surplus"] += s.busy_s
+        else:
+            fates["waiting"] += s.busy_s
+    wasted = fates["cancelled"] + fates["superseded"] + fates["surplus"]
     bias = None
     if lengths and trained_lengths:
         bias = round((sum(trained_lengths) / len(trained_lengths)) / (sum(lengths) / len(lengths)), 4)
     trained_mean = sum(trained_lengths) / len(trained_lengths) if trained_lengths else None
     return {"busy_slot_s": round(busy, 3), "wasted_slot_s": round(wasted, 3),
             "waste_share": round(wasted / busy, 4) if busy else 0.0,
-            "trained_length_bias": bias, "trained_length_s": trained_mean}
+            "trained_length_bias": bias, "trained_length_s": trained_mean,
+            "slot_s": fates}
 
 
 @dataclass

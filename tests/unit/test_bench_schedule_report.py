@@ -74,7 +74,15 @@ def test_slot_accounting_splits_trained_wasted_and_pending_work():
     finished = [2.0, 4.0, 1.0, 5.0, 7.0, 1.5]
     assert out["trained_length_s"] == pytest.approx(1.5)
     assert out["trained_length_bias"] == round(1.5 / (sum(finished) / len(finished)), 4)
+    assert out["slot_s"] == {"trained": 2.0 + 1.0 + 1.5, "cancelled": 3.0, "superseded": 4.0,
+                             "surplus": 7.0, "waiting": 5.0, "running": 6.0}
     assert slot_accounting([], set())["trained_length_bias"] is None
+
+
+def test_slot_shares_add_up_to_one_with_the_idle_rest():
+    shares = bench_schedule.slot_shares({"trained": 30.0, "cancelled": 10.0, "running": 20.0}, 80.0)
+    assert shares == {"trained": 0.375, "cancelled": 0.125, "running": 0.25, "idle": 0.25}
+    assert bench_schedule.slot_shares({"trained": 8.0}, 8.0)["idle"] == 0.0
 
 
 def test_the_simulated_frontier_has_every_policy_at_every_lag_with_every_field(tmp_path):
@@ -91,6 +99,11 @@ def test_the_simulated_frontier_has_every_policy_at_every_lag_with_every_field(t
             assert p["steps"] == 3 and p["trained_samples"] == 3 * 4 * 2
             assert 0 <= p["waste_share"] < 1 and 0 < p["capacity_share"] <= 1.0
             assert p["trained_length_bias"] > 0 and p["trained_length_vs_workload"] > 0
+            # every slot-second has one fate, and the trained ones make the share
+            assert sum(p["slot_shares"].values()) == pytest.approx(1.0, abs=1e-3)
+            assert p["capacity_share"] == pytest.approx(
+                p["slot_shares"]["trained"] / p["trained_length_vs_workload"], rel=2e-3)
+            assert 0 < p["first_step_s"] and (p["step_s"] or 0) >= 0
         assert policies["sync"]["waste_share"] == 0.0
         assert policies["batch"]["waste_share"] > 0  # its oversampled surplus
     assert "stream" in bench_schedule.format_frontier(out)

@@ -627,10 +627,9 @@ class RolloutConsumer:
                    "finished": finished}
         session.timings = {**timings, **dict(session.timings)}
         try:
-            result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,
-                                              session, self.name, error)
-            wire.check_result(result, vocab=self.config.vocab)
-            return wire.to_fields(result, max_bytes=self.config.max_message_bytes), None
+            return wire.result_fields(w.shard, w.epoch, w.group, w.sample, w.attempt, session, self.name,
+                                      error, vocab=self.config.vocab,
+                                      max_bytes=self.config.max_message_bytes), None
         except ValueError as exc:  # SchemaError, or calls a source changed after making them
             reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"
             log.warning("consumer %s: %s", self.name, reason)

@@ -43,7 +43,7 @@ from pipeline.config import MAX_MESSAGE_BYTES
 from pipeline.packing import Rollout
 from pipeline.ready import ReadyRecord, decode_record, record_builtins
 from pipeline.scheduler import CAUSES  # of a resubmission
-from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task, finite_logprobs
+from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Call, Session, Status, Task, finite_logprobs
 
 SCHEMA_VERSION = 2
 FIELD = b"m"  # the one field of a stream entry: the encoded message
@@ -985,6 +985,93 @@ def check_result(result: Result, *, vocab: int | None = None) -> None:
     if started is not None and finished is not None and finished < started:
         raise SchemaError("timings.finished", f"{finished} is before timings.started {started}: "
                           "a negative duration")
+
+
+def result_fields(shard: int, epoch: int, group: int, sample: int, attempt: int, session: Session,
+                  consumer: str, error: str | None = None, *, vocab: int | None = None,
+                  max_bytes: int = MAX_MESSAGE_BYTES) -> dict[bytes, bytes]:
+    """`to_fields` of `Result.from_session(...)` once `check_result(vocab=vocab)` passed: the
+    stream entry of a session's result, refused as those refuse it (ValueError; SchemaError
+    naming the field). A session of one plain call (no sampling support, arrays as `Call`
+    makes them: the common case) has its wire form built straight from that call, byte for
+    byte the same, without a `Result`, its merged arrays or its chains; anything else, or
+    anything such a session's checks would refuse, takes the general path (which then
+    refuses it with its own field and reason)."""
+    data = _one_call_result(shard, epoch, group, sample, attempt, session, consumer, error, vocab, max_bytes)
+    if data is not None:
+        return {FIELD: data}
+    result = Result.from_session(shard, epoch, group, sample, attempt, session, consumer, error)
+    check_result(result, vocab=vocab)
+    return to_fields(result, max_bytes=max_bytes)
+
+
+_TOKEN_BOUND = 1 << 31  # token ids are int32: >= 0 and below this
+_U32 = np.dtype("<u4")  # token ids viewed unsigned: a negative one is >= 2**31, so one max checks both ends
+
+
+def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: int, session: Session,
+                     consumer: str, error: str | None, vocab: int | None, max_bytes: int) -> bytes | None:
+    """The bytes `result_fields` returns for a session of one plain call, or None for any
+    other session and for one that a check of `from_session`, `check_result` or `encode`
+    refuses (the general path then raises that refusal). Its checks are theirs on the same
+    values: the call's token ids in [0, vocab) (one unsigned max of prompt and completion),
+    its log-probs finite and <= 0 (the merged log-probs are these and zeros), one log-prob
+    per completion token, its version a non-negative int32, the duration non-negative,
+    then every other field as `encode` checks it, and the size limit."""
+    calls = session.calls
+    if type(calls) is not list or len(calls) != 1:
+        return None
+    call = calls[0]
+    if type(call) is not Call or call.support is not None:
+        return None
+    prompt, completion, logprobs, version = call.prompt_ids, call.completion_ids, call.logprobs, call.version
+    if not (type(prompt) is np.ndarray and type(completion) is np.ndarray and type(logprobs) is np.ndarray
+            and prompt.dtype == TOKEN_DTYPE and completion.dtype == TOKEN_DTYPE
+            and logprobs.dtype == LOGPROB_DTYPE and prompt.ndim == 1 and completion.ndim == 1
+            and logprobs.ndim == 1):
+        return None
+    p, c = len(prompt), len(completion)
+    if len(logprobs) != c or type(version) is not int or not 0 <= version < _TOKEN_BOUND:
+        return None
+    tokens = prompt.tobytes() + completion.tobytes()
+    bound = _TOKEN_BOUND if vocab is None else min(vocab, _TOKEN_BOUND)
+    if tokens and int(_MAX(np.frombuffer(tokens, _U32))) >= bound:
+        return None
+    if c and not finite_logprobs(logprobs):
+        return None
+    timings = dict(session.timings)
+    started, finished = timings.get("started"), timings.get("finished")
+    if started is not None and finished is not None and finished < started:
+        return None
+    n = p + c
+    chains = {"lengths": _packed("lengths", [n]), "calls": _packed("calls", [1]),
+              "call_tokens": _packed("call_tokens", [n]), "tokens": tokens,
+              "loss_mask": (((1 << c) - 1) << p).to_bytes((n + 7) // 8, "little"),
+              "logprobs": logprobs.tobytes(),
+              "versions": _packed("versions", [version] if c else []),
+              "version_runs": _packed("version_runs", [c] if c else []), "support": None}
+    out = {"v": SCHEMA_VERSION, "k": Result.KIND, "shard": _plain(shard), "epoch": _plain(epoch),
+           "group": _plain(group), "sample": _plain(sample), "attempt": _plain(attempt),
+           "consumer": _plain(consumer), "status": _plain(session.status), "reward": _plain(session.reward),
+           "components": _plain(dict(session.components)), "chains": chains,
+           "truncation": _plain(session.truncation), "timings": _plain(timings), "error": _plain(error)}
+    try:
+        _check(out, Result, _MERGED)
+        data = msgpack.packb(out, use_bin_type=True)
+    except Exception:  # noqa: BLE001 (refused: the general path raises it with its field and reason)
+        return None
+    return data if len(data) <= max_bytes else None
+
+
+def _plain(value: Any) -> Any:
+    """The wire form `_wire` gives a message's field `value` that has no special form."""
+    if value is None or type(value) in _SCALARS:
+        return value
+    if type(value) is Status:
+        return value.value
+    if type(value) is dict and all(x is None or type(x) in _SCALARS for x in value.values()):
+        return value
+    return _wire(value, 1)
 
 
 OVERLONG = "width"

@@ -1044,34 +1044,34 @@ def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: i
     if started is not None and finished is not None and finished < started:
         return None
     n = p + c
-    chains = {"lengths": _packed("lengths", [n]), "calls": _packed("calls", [1]),
-              "call_tokens": _packed("call_tokens", [n]), "tokens": tokens,
-              "loss_mask": (((1 << c) - 1) << p).to_bytes((n + 7) // 8, "little"),
-              "logprobs": logprobs.tobytes(),
-              "versions": _packed("versions", [version] if c else []),
-              "version_runs": _packed("version_runs", [c] if c else []), "support": None}
-    out = {"v": SCHEMA_VERSION, "k": Result.KIND, "shard": _plain(shard), "epoch": _plain(epoch),
-           "group": _plain(group), "sample": _plain(sample), "attempt": _plain(attempt),
-           "consumer": _plain(consumer), "status": _plain(session.status), "reward": _plain(session.reward),
-           "components": _plain(dict(session.components)), "chains": chains,
-           "truncation": _plain(session.truncation), "timings": _plain(timings), "error": _plain(error)}
+    chains = {"lengths": _I4.pack(n), "calls": _ONE_CALL, "call_tokens": _I8.pack(n), "tokens": tokens,
+              "loss_mask": (((1 << c) - 1) << p).to_bytes((n + 7) // 8, "little"),  # np.packbits, little
+              "logprobs": logprobs.tobytes(), "versions": _I4.pack(version) if c else b"",
+              "version_runs": _I4.pack(c) if c else b"", "support": None}
+    status, reward, truncation = session.status, session.reward, session.truncation
+    components = dict(session.components)
+    if not (type(shard) is int and type(epoch) is int and type(group) is int and type(sample) is int
+            and type(attempt) is int and type(consumer) is str and type(status) is Status
+            and (reward is None or type(reward) is float) and (truncation is None or type(truncation) is str)
+            and (error is None or type(error) is str) and _PLAIN.issuperset(map(type, timings.values()))
+            and _PLAIN.issuperset(map(type, components.values()))):
+        return None  # values `_wire` converts: the general path
+    out = {"v": SCHEMA_VERSION, "k": Result.KIND, "shard": shard, "epoch": epoch, "group": group,
+           "sample": sample, "attempt": attempt, "consumer": consumer, "status": status.value,
+           "reward": reward, "components": components, "chains": chains, "truncation": truncation,
+           "timings": timings, "error": error}
     try:
         _check(out, Result, _MERGED)
-        data = msgpack.packb(out, use_bin_type=True)
+        data = _ENCODER.encode(out)  # msgpack.packb's bytes, of these plain values
     except Exception:  # noqa: BLE001 (refused: the general path raises it with its field and reason)
         return None
     return data if len(data) <= max_bytes else None
 
 
-def _plain(value: Any) -> Any:
-    """The wire form `_wire` gives a message's field `value` that has no special form."""
-    if value is None or type(value) in _SCALARS:
-        return value
-    if type(value) is Status:
-        return value.value
-    if type(value) is dict and all(x is None or type(x) in _SCALARS for x in value.values()):
-        return value
-    return _wire(value, 1)
+_I4, _I8 = struct.Struct("<i"), struct.Struct("<q")  # one int32 (lengths, versions, runs), one int64
+_ONE_CALL = _I4.pack(1)
+_PLAIN = frozenset({*_SCALARS, type(None)})  # the values `_wire` leaves as they are
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 OVERLONG = "width"

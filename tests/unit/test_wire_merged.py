@@ -213,3 +213,20 @@ def test_a_session_of_one_plain_call_is_encoded_straight_from_it():
     assert direct is not None and {wire.FIELD: direct} == _general(session, 50_000)
     assert wire._one_call_result(0, 1, 2, 3, 4, _changed(CHANGES["a positive log-prob"]), "pod-a", None,
                                  None, wire.MAX_MESSAGE_BYTES) is None
+
+
+EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1]
+
+
+@pytest.mark.parametrize("edge", EDGES)
+def test_result_fields_pack_every_size_of_int_and_str_as_msgpack_does(edge):
+    """The direct path packs with msgspec: the same bytes as `msgpack.packb` for each size
+    class of ints, strings, maps and binaries the result carries."""
+    text = "é" * min(edge, 70_000)
+    timings = {"run_s": float(edge), "started": edge, "finished": edge + 0.5, **{f"t{i}": i for i in range(edge % 20)}}
+    session = Session(Status.TRUNCATED, edge / 3, {"n": edge}, [_call(range(edge % 300), range(edge % 70), 1)],
+                      text, timings)
+    for group in (edge, 7):
+        assert _entry(wire.result_fields, 0, 1, group, 3, 4, session, text or "c", text) == \
+            _entry(lambda g=group: to_fields(Result.from_session(0, 1, g, 3, 4, session, text or "c", text)))
+    assert wire._one_call_result(0, 1, 7, 3, 4, session, "c", None, None, wire.MAX_MESSAGE_BYTES) is not None

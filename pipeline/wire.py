@@ -181,8 +181,11 @@ def _native(v: Any, path: str, depth: int = 0) -> Any:
 
 def _task(v: Any, path: str) -> Task:
     d = _struct(v, path, ("id", "payload"))
-    payload = _map(_native)(d["payload"], f"{path}.payload")
+    payload = _payload(d["payload"], f"{path}.payload")
     return Task(_str(d["id"], f"{path}.id", nonempty=True), payload)
+
+
+_payload = _map(_native)  # a task's payload
 
 
 def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray:
@@ -755,10 +758,11 @@ _DECODER = msgspec.msgpack.Decoder(_ANY_KIND)
 _REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs or a checker
 # The kinds whose decoded messages get their checked values set directly, without the
 # dataclass's __init__ (a frozen dataclass sets each field through object.__setattr__, 13 for
-# a Result): only Result, the message a consumer decodes for every rollout, whose
+# a Result): Result, the message the admission consumer decodes for every rollout, whose
 # __post_init__ gives the chains one support width, which decoded chains have by
-# construction (`_expand_chains`). Every other kind is built through its constructor.
-_DIRECT = frozenset({Result})
+# construction (`_expand_chains`); and Work, which a rollout consumer decodes for every
+# session (no __post_init__). Every other kind is built through its constructor.
+_DIRECT = frozenset({Result, Work})
 _new = object.__new__
 
 

@@ -1043,7 +1043,7 @@ def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: i
         return None
     if c and not finite_logprobs(logprobs):
         return None
-    timings = dict(session.timings)
+    components, timings = dict(session.components), dict(session.timings)  # in `Result`'s order
     started, finished = timings.get("started"), timings.get("finished")
     if started is not None and finished is not None and finished < started:
         return None
@@ -1053,7 +1053,6 @@ def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: i
               "logprobs": logprobs.tobytes(), "versions": _I4.pack(version) if c else b"",
               "version_runs": _I4.pack(c) if c else b"", "support": None}
     status, reward, truncation = session.status, session.reward, session.truncation
-    components = dict(session.components)
     if not (type(shard) is int and type(epoch) is int and type(group) is int and type(sample) is int
             and type(attempt) is int and type(consumer) is str and type(status) is Status
             and (reward is None or type(reward) is float) and (truncation is None or type(truncation) is str)

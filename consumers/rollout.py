@@ -567,8 +567,8 @@ class RolloutConsumer:
         # many numpy calls release the GIL and sessions encoding at once would contend for it
         self._publisher.publish(*(_Publication(o, None, None, encode=partial(
             self._result_fields, o, session, error, finished)) for o, session, error, finished in ended))
-        for _, session, _, _ in ended:
-            self.stats[f"results_{session.status.value}"] += 1
+        for status, n in Counter(session.status for _, session, _, _ in ended).items():  # once per status
+            self.stats[f"results_{status.value}"] += n
         self._release(*(o for o, _, _, _ in ended))
 
     def _commit(self, batch: Sequence[_Publication]) -> None:
@@ -591,8 +591,9 @@ class RolloutConsumer:
                     if not batch:
                         return
                 pipe = self.r.pipeline(transaction=True)
+                results = {shard: self.keys.results(shard) for shard in {p.owned.work.shard for p in batch}}
                 for p in batch:
-                    streams.append(pipe, self.keys.results(p.owned.work.shard), p.fields)
+                    streams.append(pipe, results[p.owned.work.shard], p.fields)
                     if p.dead is not None:
                         streams.append(pipe, self.keys.dead, p.dead)
                 streams.ack(pipe, self.keys.work, WORK_GROUP, *(p.owned.entry_id for p in batch))
@@ -627,10 +628,9 @@ class RolloutConsumer:
                    "finished": finished}
         session.timings = {**timings, **dict(session.timings)}
         try:
-            result = wire.Result.from_session(w.shard, w.epoch, w.group, w.sample, w.attempt,
-                                              session, self.name, error)
-            wire.check_result(result, vocab=self.config.vocab)
-            return wire.to_fields(result, max_bytes=self.config.max_message_bytes), None
+            return wire.result_fields(w.shard, w.epoch, w.group, w.sample, w.attempt, session, self.name,
+                                      error, vocab=self.config.vocab,
+                                      max_bytes=self.config.max_message_bytes), None
         except ValueError as exc:  # SchemaError, or calls a source changed after making them
             reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"
             log.warning("consumer %s: %s", self.name, reason)

@@ -48,6 +48,7 @@ class Task:
 
 
 _MAX_TOKEN = int(np.iinfo(TOKEN_DTYPE).max)
+_new = object.__new__
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ufunc reductions: no `ndarray.min` Python layer
 
 
@@ -123,6 +124,20 @@ class Call:
                 )
             self.support = sup
 
+    @classmethod
+    def trusted(cls, prompt_ids: np.ndarray, completion_ids: np.ndarray, logprobs: np.ndarray,
+                version: int) -> Call:
+        """The call of these fields without `__post_init__`'s checks and conversions: only for
+        values already as it makes them, which the caller has checked itself (one-dimensional
+        contiguous `TOKEN_DTYPE` ids in [0, 2**31), as many finite `LOGPROB_DTYPE` log-probs
+        <= 0 as completion ids, an int version >= 0; e.g. copies of windows of pools the
+        caller built as a checked `Call` once). No sampling support. The consumer checks
+        every call's values again when it encodes the session's result."""
+        call = _new(cls)
+        call.__dict__.update(prompt_ids=prompt_ids, completion_ids=completion_ids, logprobs=logprobs,
+                             version=version, support=None)
+        return call
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Call):
             return NotImplemented
@@ -173,6 +188,18 @@ class Session:
         self.calls = list(self.calls)
         if not all(isinstance(c, Call) for c in self.calls):
             raise TypeError("Session.calls must hold Call objects")
+
+    @classmethod
+    def trusted(cls, status: Status, reward: float | None, calls: list[Call],
+                timings: dict[str, float]) -> Session:
+        """The session of these fields without `__post_init__`'s checks and conversions: only
+        for values already as it makes them, which the caller has checked itself (a `Status`,
+        a finite float reward or None, a list of `Call`, timings a dict of finite floats). No
+        components, no truncation."""
+        session = _new(cls)
+        session.__dict__.update(status=status, reward=reward, components={}, calls=calls, truncation=None,
+                                timings=timings)
+        return session
 
     @property
     def oldest_version(self) -> int | None:

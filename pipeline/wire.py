@@ -43,7 +43,7 @@ from pipeline.config import MAX_MESSAGE_BYTES
 from pipeline.packing import Rollout
 from pipeline.ready import ReadyRecord, decode_record, record_builtins
 from pipeline.scheduler import CAUSES  # of a resubmission
-from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status, Task, finite_logprobs
+from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Call, Session, Status, Task, finite_logprobs
 
 SCHEMA_VERSION = 2
 FIELD = b"m"  # the one field of a stream entry: the encoded message
@@ -181,8 +181,11 @@ def _native(v: Any, path: str, depth: int = 0) -> Any:
 
 def _task(v: Any, path: str) -> Task:
     d = _struct(v, path, ("id", "payload"))
-    payload = _map(_native)(d["payload"], f"{path}.payload")
+    payload = _payload(d["payload"], f"{path}.payload")
     return Task(_str(d["id"], f"{path}.id", nonempty=True), payload)
+
+
+_payload = _map(_native)  # a task's payload
 
 
 def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray:
@@ -755,10 +758,11 @@ _DECODER = msgspec.msgpack.Decoder(_ANY_KIND)
 _REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs or a checker
 # The kinds whose decoded messages get their checked values set directly, without the
 # dataclass's __init__ (a frozen dataclass sets each field through object.__setattr__, 13 for
-# a Result): only Result, the message a consumer decodes for every rollout, whose
+# a Result): Result, the message the admission consumer decodes for every rollout, whose
 # __post_init__ gives the chains one support width, which decoded chains have by
-# construction (`_expand_chains`). Every other kind is built through its constructor.
-_DIRECT = frozenset({Result})
+# construction (`_expand_chains`); and Work, which a rollout consumer decodes for every
+# session (no __post_init__). Every other kind is built through its constructor.
+_DIRECT = frozenset({Result, Work})
 _new = object.__new__
 
 
@@ -985,6 +989,92 @@ def check_result(result: Result, *, vocab: int | None = None) -> None:
     if started is not None and finished is not None and finished < started:
         raise SchemaError("timings.finished", f"{finished} is before timings.started {started}: "
                           "a negative duration")
+
+
+def result_fields(shard: int, epoch: int, group: int, sample: int, attempt: int, session: Session,
+                  consumer: str, error: str | None = None, *, vocab: int | None = None,
+                  max_bytes: int = MAX_MESSAGE_BYTES) -> dict[bytes, bytes]:
+    """`to_fields` of `Result.from_session(...)` once `check_result(vocab=vocab)` passed: the
+    stream entry of a session's result, refused as those refuse it (ValueError; SchemaError
+    naming the field). A session of one plain call (no sampling support, arrays as `Call`
+    makes them: the common case) has its wire form built straight from that call, byte for
+    byte the same, without a `Result`, its merged arrays or its chains; anything else, or
+    anything such a session's checks would refuse, takes the general path (which then
+    refuses it with its own field and reason)."""
+    data = _one_call_result(shard, epoch, group, sample, attempt, session, consumer, error, vocab, max_bytes)
+    if data is not None:
+        return {FIELD: data}
+    result = Result.from_session(shard, epoch, group, sample, attempt, session, consumer, error)
+    check_result(result, vocab=vocab)
+    return to_fields(result, max_bytes=max_bytes)
+
+
+_TOKEN_BOUND = 1 << 31  # token ids are int32: >= 0 and below this
+_U32 = np.dtype("<u4")  # token ids viewed unsigned: a negative one is >= 2**31, so one max checks both ends
+
+
+def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: int, session: Session,
+                     consumer: str, error: str | None, vocab: int | None, max_bytes: int) -> bytes | None:
+    """The bytes `result_fields` returns for a session of one plain call, or None for any
+    other session and for one that a check of `from_session`, `check_result` or `encode`
+    refuses (the general path then raises that refusal). Its checks are theirs on the same
+    values: the call's token ids in [0, vocab) (one unsigned max of prompt and completion),
+    its log-probs finite and <= 0 (the merged log-probs are these and zeros), one log-prob
+    per completion token, its version a non-negative int32, the duration non-negative,
+    then every other field as `encode` checks it, and the size limit."""
+    calls = session.calls
+    if type(calls) is not list or len(calls) != 1:
+        return None
+    call = calls[0]
+    if type(call) is not Call or call.support is not None:
+        return None
+    prompt, completion, logprobs, version = call.prompt_ids, call.completion_ids, call.logprobs, call.version
+    if not (type(prompt) is np.ndarray and type(completion) is np.ndarray and type(logprobs) is np.ndarray
+            and prompt.dtype == TOKEN_DTYPE and completion.dtype == TOKEN_DTYPE
+            and logprobs.dtype == LOGPROB_DTYPE and prompt.ndim == 1 and completion.ndim == 1
+            and logprobs.ndim == 1):
+        return None
+    p, c = len(prompt), len(completion)
+    if len(logprobs) != c or type(version) is not int or not 0 <= version < _TOKEN_BOUND:
+        return None
+    tokens = prompt.tobytes() + completion.tobytes()
+    bound = _TOKEN_BOUND if vocab is None else min(vocab, _TOKEN_BOUND)
+    if tokens and int(_MAX(np.frombuffer(tokens, _U32))) >= bound:
+        return None
+    if c and not finite_logprobs(logprobs):
+        return None
+    components, timings = dict(session.components), dict(session.timings)  # in `Result`'s order
+    started, finished = timings.get("started"), timings.get("finished")
+    if started is not None and finished is not None and finished < started:
+        return None
+    n = p + c
+    chains = {"lengths": _I4.pack(n), "calls": _ONE_CALL, "call_tokens": _I8.pack(n), "tokens": tokens,
+              "loss_mask": (((1 << c) - 1) << p).to_bytes((n + 7) // 8, "little"),  # np.packbits, little
+              "logprobs": logprobs.tobytes(), "versions": _I4.pack(version) if c else b"",
+              "version_runs": _I4.pack(c) if c else b"", "support": None}
+    status, reward, truncation = session.status, session.reward, session.truncation
+    if not (type(shard) is int and type(epoch) is int and type(group) is int and type(sample) is int
+            and type(attempt) is int and type(consumer) is str and type(status) is Status
+            and (reward is None or type(reward) is float) and (truncation is None or type(truncation) is str)
+            and (error is None or type(error) is str) and _PLAIN.issuperset(map(type, timings.values()))
+            and _PLAIN.issuperset(map(type, components.values()))):
+        return None  # values `_wire` converts: the general path
+    out = {"v": SCHEMA_VERSION, "k": Result.KIND, "shard": shard, "epoch": epoch, "group": group,
+           "sample": sample, "attempt": attempt, "consumer": consumer, "status": status.value,
+           "reward": reward, "components": components, "chains": chains, "truncation": truncation,
+           "timings": timings, "error": error}
+    try:
+        _check(out, Result, _MERGED)
+        data = _ENCODER.encode(out)  # msgpack.packb's bytes, of these plain values
+    except Exception:  # noqa: BLE001 (refused: the general path raises it with its field and reason)
+        return None
+    return data if len(data) <= max_bytes else None
+
+
+_I4, _I8 = struct.Struct("<i"), struct.Struct("<q")  # one int32 (lengths, versions, runs), one int64
+_ONE_CALL = _I4.pack(1)
+_PLAIN = frozenset({*_SCALARS, type(None)})  # the values `_wire` leaves as they are
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 OVERLONG = "width"

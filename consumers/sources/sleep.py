@@ -57,6 +57,14 @@ def wait_cancelled(request: SessionRequest, seconds: float) -> bool:
 _M64 = (1 << 64) - 1
 
 
+def _call(prompt: np.ndarray, completion: np.ndarray, logprobs: np.ndarray, version: int) -> Call:
+    """A call of windows of the checked pools: made unchecked, but for the version, which the
+    request's `served_version` returns (checked unless a plain int >= 0)."""
+    if type(version) is int and version >= 0:
+        return Call.trusted(prompt, completion, logprobs, version)
+    return Call(prompt, completion, logprobs, version)
+
+
 class _Draws:
     """An attempt's draws in [0, 1): SplitMix64 (Steele, Lea and Flood, 2014), a 64-bit
     state seeded at once."""
@@ -102,6 +110,10 @@ class SleepSource:
         size = POOL + max(prompt_tokens, completion_tokens)
         self._tokens = draws.integers(0, vocab, size, dtype=np.int32)
         self._logprobs = -(draws.random(size, dtype=np.float32) * 2.0)
+        # the pools checked once as a call's values: a session's calls, copies of their
+        # windows, are then made without checking them again (`Call.trusted`)
+        checked = Call(self._tokens, self._tokens, self._logprobs, 0)
+        self._tokens, self._logprobs = checked.prompt_ids, checked.logprobs
 
     def _key(self, task_id: str, group: int, sample: int, attempt: int) -> str:
         return f"{self.seed}:{task_id}:{group}:{sample}:{attempt}"
@@ -142,12 +154,12 @@ class SleepSource:
                 return Session(Status.CANCELLED, calls=calls, timings=self._timings(started))
             completion = self._window(draws, self._tokens, self.completion_tokens)
             logprobs = self._window(draws, self._logprobs, self.completion_tokens)
-            calls.append(Call(prompt, completion, logprobs, request.served_version()))
+            calls.append(_call(prompt, completion, logprobs, request.served_version()))
             if k + 1 < self.calls:  # the next call's prompt: this one's, its completion, 4 more
                 prompt = np.concatenate([prompt, completion, self._window(draws, self._tokens, 4)])
         status = self._status(draws)
         reward = None if status in (Status.INFRA_ERROR, Status.CANCELLED) else draws.uniform()
-        return Session(status, reward, calls=calls, timings=self._timings(started))
+        return Session.trusted(status, reward, calls, self._timings(started))
 
     def _status(self, draws: _Draws) -> Status:
         """A status drawn from `status_mix` (as `random.choices` draws)."""

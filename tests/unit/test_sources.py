@@ -95,3 +95,28 @@ def test_sleep_source_draws_statuses_by_their_weights_and_each_attempt_its_own_s
     again = SleepSource(median_s=0.0, seed=2, vocab=50,
                         status_mix={"completed": 3.0, "agent_error": 1.0, "truncated": 0.0})
     assert again.run(request(task="t7.0")).calls[0] == sessions[7].calls[0]  # seeded
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_sleep_source_sessions_are_those_its_calls_and_session_would_make_checked(calls):
+    from pipeline.sessions import Call, Session
+    source = SleepSource(median_s=0.0, seed=4, vocab=300, calls=calls, prompt_tokens=20, completion_tokens=9,
+                         status_mix={"completed": 1.0, "infra_error": 1.0})
+    for i in range(50):
+        session = source.run(request(task=f"t{i}.0", served=i % 3))
+        checked = Session(session.status, session.reward, calls=[
+            Call(c.prompt_ids, c.completion_ids, c.logprobs, c.version) for c in session.calls],
+            timings=dict(session.timings))
+        assert session == checked and vars(session).keys() == vars(checked).keys()
+        for made, call in zip(session.calls, checked.calls):
+            assert vars(made).keys() == vars(call).keys()
+            for name in ("prompt_ids", "completion_ids", "logprobs"):
+                got, want = getattr(made, name), getattr(call, name)
+                assert got.dtype == want.dtype and got.flags.c_contiguous and got.ndim == 1
+
+
+def test_sleep_source_checks_a_served_version_that_is_not_a_plain_int():
+    source = SleepSource(median_s=0.0, seed=4)
+    assert source.run(request(served=np.int64(5))).calls[0].version == 5
+    with pytest.raises(ValueError, match="Call.version must be >= 0"):
+        source.run(request(served=-1))

@@ -627,7 +627,9 @@ class Admission:
         """The held rollouts of `keys`: decoded when they were admitted by this process
         (each result is decoded once), else (after a recovery) decoded from their held
         payloads, those this transaction wrote, then Redis."""
-        out = {k: self._decoded[member(k)] for k in keys if member(k) in self._decoded}
+        decoded = self._decoded
+        found = ((k, decoded.get(member(k))) for k in keys)
+        out = {k: rollout for k, rollout in found if rollout is not None}
         rest = [k for k in keys if k not in out]
         staged = {k: txn.held[member(k)] for k in rest if txn.held.get(member(k)) is not None}
         rest = [k for k in rest if k not in staged]

@@ -80,7 +80,7 @@ class Fence:
         self.token: int | None = None
         self.renewed = 0.0  # monotonic time of the last renewal
         # the connection transactions run on, WATCHing the fence, and the fence read after it
-        self._conn: redis.connection.AbstractConnection | None = None
+        self._conn: redis.connection.Connection | None = None
         self._value: bytes | str | None = None
 
     def acquire(self, stop: threading.Event | None = None) -> int:
@@ -144,7 +144,7 @@ class Fence:
     def _watch_commands(self) -> list[tuple[str, str]]:
         return [("WATCH", self.fence_key), ("GET", self.fence_key)]
 
-    def _watched(self) -> tuple[redis.connection.AbstractConnection, bytes | str | None]:
+    def _watched(self) -> tuple[redis.connection.Connection, bytes | str | None]:
         """The connection that WATCHes the fence, and the fence as read after that WATCH;
         a fresh one (one round trip) when there is none."""
         if self._conn is not None:
@@ -190,7 +190,7 @@ class Fence:
         self.renewed = time.monotonic()
 
 
-def _exec_replies(conn: redis.connection.AbstractConnection, n: int) -> list | None:
+def _exec_replies(conn: redis.connection.Connection, n: int) -> list | None:
     """The EXEC reply of a MULTI, `n` commands, EXEC just sent on `conn` (None: refused by
     a WATCH); a command refused while queued raises its error, as redis-py does."""
     errors: list[ResponseError] = []

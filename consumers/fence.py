@@ -149,7 +149,7 @@ class Fence:
         a fresh one (one round trip) when there is none."""
         if self._conn is not None:
             return self._conn, self._value
-        conn = self.r.connection_pool.get_connection()
+        conn = _connection(self.r.connection_pool)
         self._conn = conn
         try:
             conn.send_packed_command(conn.pack_commands(self._watch_commands()))
@@ -205,3 +205,11 @@ def _exec_replies(conn: redis.connection.Connection, n: int) -> list | None:
         if errors:
             raise errors[0] from None
         raise
+
+
+def _connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
+    """A connection of `pool`, taken out of it until released (redis-py 5.3 deprecated the
+    command name that earlier versions require)."""
+    if redis.VERSION >= (5, 3):
+        return pool.get_connection()
+    return pool.get_connection("WATCH")  # type: ignore[call-arg,unused-ignore]

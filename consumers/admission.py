@@ -279,7 +279,7 @@ class Admission:
         """A fresh client, then recovery from Redis (nothing in memory is trusted)."""
         old, self.r = self.r, connect(self.config.redis)
         old.close()
-        self.fence.r = self.r
+        self.fence.use(self.r)
         self.stats["reconnects"] += 1
         self._recover()
         log.info("shard %d: reconnected and recovered (epoch %d, %d in flight)", self.shard,
@@ -505,12 +505,12 @@ class Admission:
         return max(self.snapshot_every, self.sched.tracked_samples)
 
     def _execute(self, txn: _Txn) -> None:
-        """EXEC under the fencing token. A refused EXEC is `Fenced` when the token changed;
-        otherwise (the connection failed while watching) a connection error, which the loop
-        rides out like any other (nothing of the transaction was applied)."""
+        """EXEC under the fencing token (`Fence.execute`). A refused EXEC is `Fenced` when
+        the token changed; otherwise a connection error, which the loop rides out like any
+        other (nothing of the transaction was applied), as it does a connection lost while
+        the transaction was sent or its reply read (applied or not: recovery finds out)."""
         try:
-            self.fence.guard(txn.pipe)
-            txn.pipe.execute()
+            self.fence.execute(txn.pipe)
         except redis.exceptions.WatchError as exc:
             self.fence.check()
             raise redis.exceptions.ConnectionError(f"shard {self.shard}: transaction not applied: {exc}") from exc
@@ -627,7 +627,9 @@ class Admission:
         """The held rollouts of `keys`: decoded when they were admitted by this process
         (each result is decoded once), else (after a recovery) decoded from their held
         payloads, those this transaction wrote, then Redis."""
-        out = {k: self._decoded[member(k)] for k in keys if member(k) in self._decoded}
+        decoded = self._decoded
+        found = ((k, decoded.get(member(k))) for k in keys)
+        out = {k: rollout for k, rollout in found if rollout is not None}
         rest = [k for k in keys if k not in out]
         staged = {k: txn.held[member(k)] for k in rest if txn.held.get(member(k)) is not None}
         rest = [k for k in rest if k not in staged]

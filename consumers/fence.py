@@ -3,10 +3,13 @@
 Two admission consumers applying one shard's events would both submit its work and emit its
 steps. So a consumer first takes the shard's lease (`Keys.lease(shard)`: `SET NX PX`, the
 value naming its host and process), then increments the shard's fence (`Keys.fence(shard)`)
-and keeps the new value as its token. Every transaction it commits first `WATCH`es the
-fence and reads it: if the token is no longer its own, another consumer has taken the shard
-over and the transaction is not sent (`Fenced`); if the fence changes between that read and
-`EXEC`, Redis refuses the `EXEC` (`WatchError`, then `Fenced` once the fence is read again).
+and keeps the new value as its token. Every transaction it commits runs on a connection
+that `WATCH`es the fence and read it after the WATCH: if the token read is no longer its own,
+another consumer has taken the shard over and the transaction is not sent (`Fenced`); if the
+fence changes between that read and `EXEC`, Redis refuses the `EXEC` (`WatchError`, then
+`Fenced` once the fence is read again). The WATCH and the read of the next transaction are
+written after each `EXEC`, in the same round trip, on the same connection, which the fence
+keeps for its transactions (`Fence.execute`): a transaction costs one round trip.
 Each transaction also renews the lease; an idle consumer renews it every `lease_s / 3`.
 
 A second consumer waits while the lease is held (by a consumer that renews it: alive and
@@ -31,6 +34,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.client import EMPTY_RESPONSE
+from redis.exceptions import ExecAbortError, ResponseError, WatchError
 
 from pipeline.errors import CommandError
 from pipeline.keys import Keys
@@ -74,6 +79,9 @@ class Fence:
         self.me = identity()
         self.token: int | None = None
         self.renewed = 0.0  # monotonic time of the last renewal
+        # the connection transactions run on, WATCHing the fence, and the fence read after it
+        self._conn: redis.connection.Connection | None = None
+        self._value: bytes | str | None = None
 
     def acquire(self, stop: threading.Event | None = None) -> int:
         """Take the shard: wait while another live consumer holds its lease (until `stop`
@@ -95,21 +103,74 @@ class Fence:
                 raise Fenced(f"admission shard {self.shard}: stopped while waiting for the shard")
             if stop is None:
                 time.sleep(min(1.0, self.lease_ms / 4000))
+        self._drop()  # a WATCH taken before the new token would refuse the next EXEC
         self.token = int(self.r.incr(self.fence_key))
         self.renewed = time.monotonic()
         log.info("shard %d: taken with fencing token %d", self.shard, self.token)
         return self.token
 
     def renew_in(self, pipe: redis.client.Pipeline) -> None:
-        """Queue the lease's renewal in a transaction (before `guard`)."""
+        """Queue the lease's renewal in a transaction (before `execute`)."""
         pipe.set(self.lease_key, self.me, px=self.lease_ms)
 
-    def guard(self, pipe: redis.client.Pipeline) -> None:
-        """Make `pipe`'s transaction commit only under this consumer's token: WATCH the
-        fence and check it (`Fenced` if another consumer took over). Call it after queueing
-        the transaction's commands, just before `execute`."""
-        pipe.watch(self.fence_key)
-        self.check(pipe.get(self.fence_key))
+    def execute(self, pipe: redis.client.Pipeline) -> None:
+        """Commit the commands queued in `pipe` (a transaction pipeline, not yet executed)
+        as one MULTI/EXEC under this consumer's token, in one round trip: `Fenced` (nothing
+        sent) when the fence read after the WATCH held on this fence's connection is not
+        the token; `WatchError` when the fence changed since (Redis refused the EXEC:
+        nothing applied); the first error of a command, as redis-py raises it. The WATCH of
+        the next transaction and its read follow the EXEC in the same write. Any other
+        failure drops the connection (and its WATCH) and raises."""
+        if pipe.scripts:
+            raise TypeError("a fenced transaction runs no scripts")
+        commands = [args for args, options in pipe.command_stack if EMPTY_RESPONSE not in options]
+        conn, value = self._watched()
+        try:
+            self.check(value)
+            conn.send_packed_command(conn.pack_commands(
+                [("MULTI",), *commands, ("EXEC",), *self._watch_commands()]))
+            result = _exec_replies(conn, len(commands))
+            conn.read_response()  # WATCH's OK
+            self._value = conn.read_response()
+        except BaseException:
+            self._drop()
+            raise
+        if result is None:
+            raise WatchError(f"shard {self.shard}: the fence changed while watched")
+        for reply in result:
+            if isinstance(reply, ResponseError):
+                raise reply
+
+    def _watch_commands(self) -> list[tuple[str, str]]:
+        return [("WATCH", self.fence_key), ("GET", self.fence_key)]
+
+    def _watched(self) -> tuple[redis.connection.Connection, bytes | str | None]:
+        """The connection that WATCHes the fence, and the fence as read after that WATCH;
+        a fresh one (one round trip) when there is none."""
+        if self._conn is not None:
+            return self._conn, self._value
+        conn = _connection(self.r.connection_pool)
+        self._conn = conn
+        try:
+            conn.send_packed_command(conn.pack_commands(self._watch_commands()))
+            conn.read_response()
+            self._value = conn.read_response()
+        except BaseException:
+            self._drop()
+            raise
+        return conn, self._value
+
+    def _drop(self) -> None:
+        """Close the watching connection (its WATCH ends with it) and hand it back."""
+        conn, self._conn, self._value = self._conn, None, None
+        if conn is not None:
+            conn.disconnect()
+            self.r.connection_pool.release(conn)
+
+    def use(self, r: redis.Redis) -> None:
+        """Commit through the client `r` from now on (after a reconnect)."""
+        self._drop()
+        self.r = r
 
     def check(self, value: bytes | str | None = None) -> None:
         """`Fenced` unless the fence (read now when `value` is not given) is this token."""
@@ -127,3 +188,28 @@ class Fence:
 
     def renewed_now(self) -> None:
         self.renewed = time.monotonic()
+
+
+def _exec_replies(conn: redis.connection.Connection, n: int) -> list | None:
+    """The EXEC reply of a MULTI, `n` commands, EXEC just sent on `conn` (None: refused by
+    a WATCH); a command refused while queued raises its error, as redis-py does."""
+    errors: list[ResponseError] = []
+    for _ in range(n + 1):  # MULTI's OK, then QUEUED for each command
+        try:
+            conn.read_response()
+        except ResponseError as exc:
+            errors.append(exc)
+    try:
+        return conn.read_response()
+    except ExecAbortError:
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def _connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
+    """A connection of `pool`, taken out of it until released (redis-py 5.3 deprecated the
+    command name that earlier versions require)."""
+    if redis.VERSION >= (5, 3):
+        return pool.get_connection()
+    return pool.get_connection("WATCH")  # type: ignore[call-arg,unused-ignore]

@@ -68,7 +68,17 @@ def encode_event(event: Event, now: float) -> bytes:
 
 def encode_events(events: list[tuple[Event, float]]) -> bytes:
     """The journal bytes of several events applied in order (one entry for a transaction)."""
-    return msgpack.packb([{"n": float(now), **_fields(event)} for event, now in events], use_bin_type=True)
+    return msgpack.packb([_entry(event, now) for event, now in events], use_bin_type=True)
+
+
+def _entry(event: Event, now: float) -> dict:
+    """The map of one journal entry: `now`, then the event's fields (`_fields`), in order.
+    A Finish, the most frequent event, is written directly (the same map)."""
+    if type(event) is Finish:
+        k = event.key
+        return {"n": float(now), "t": "finish", "k": [k.epoch, k.group, k.sample, k.attempt],
+                "s": event.status.value, "r": event.reward, "o": event.oldest_version, "x": event.error}
+    return {"n": float(now), **_fields(event)}
 
 
 def decode_entry(data: bytes) -> list[tuple[Event, float]]:

@@ -64,9 +64,21 @@ def _rloo(base: np.ndarray, eps: float) -> np.ndarray:
     return base - (base.sum() - base) / (n - 1) if n > 1 else np.zeros(n)
 
 
+def _mean(base: np.ndarray) -> np.float64:
+    """`base.mean()` of a float64 vector, the same operations without numpy's dispatch."""
+    return np.add.reduce(base) / len(base)
+
+
+def _std(base: np.ndarray) -> np.float64:
+    """`base.std()` (population) of a float64 vector: numpy's own operations in its order
+    (sum, divide, subtract, square, sum, divide, root), without its dispatch."""
+    d = base - _mean(base)
+    return np.sqrt(np.add.reduce(d * d) / len(base))
+
+
 ESTIMATORS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
-    "group": lambda base, eps: (base - base.mean()) / (base.std() + eps),
-    "group_mean": lambda base, eps: base - base.mean(),
+    "group": lambda base, eps: (base - _mean(base)) / (_std(base) + eps),
+    "group_mean": lambda base, eps: base - _mean(base),
     "rloo": _rloo,
 }
 """The advantages of the rewards of a group's baseline set, by `estimator` (docstring)."""
@@ -120,6 +132,10 @@ def group_advantages(
     if len(statuses) != len(rewards):
         raise ValueError(f"{len(statuses)} statuses for {len(rewards)} rewards")
     used = [training_reward(s, r, truncation) for s, r in zip(statuses, rewards, strict=True)]
+    if None not in used:  # every rollout trains: the baseline set is the group
+        reported = np.array(used, dtype=np.float64)
+        return GroupScores(rewards=reported, advantages=ESTIMATORS[estimator](reported, eps),
+                           trained=np.ones(len(used), dtype=bool))
     trained = np.array([u is not None for u in used], dtype=bool)
     reported = np.array(
         [

@@ -209,6 +209,7 @@ class Admission:
             k.weights: wire.Weights,
         }
         self._next_reclaim = 0.0
+        self._next_taken_back = 0.0
         self._next_trim = time.monotonic() + config.trim_every_s
         self.outage = Outage(f"admission shard {self.shard}", config.redis.reconnect_s)
         check(self.r, config.redis)
@@ -254,6 +255,9 @@ class Admission:
         if now >= self._next_reclaim:
             self._next_reclaim = now + self.config.lease_s / 2
             done += self._reclaim()
+        if now >= self._next_taken_back:
+            self._next_taken_back = now + self.config.shard_lease_s / 2
+            self._taken_back()
         if now >= self._next_trim:
             self._next_trim = now + self.config.trim_every_s
             self.trim()
@@ -317,6 +321,23 @@ class Admission:
         entries, self._deferred = _up_to(entries, cutoff)
         return entries
 
+    def _taken_back(self, unapplied: int = 0) -> bool:
+        """Read again, from the backlog, entries of this consumer's name that it neither
+        applied nor holds back (`_deferred`, and the `unapplied` entries of the batch being
+        applied): those a predecessor read after it lost the shard. Its consumer name is this
+        one and its commits are fenced, but not its reads: an entry it read stays pending here,
+        unapplied, and `>` never returns it. Checked every `shard_lease_s / 2` and before an
+        event is refused (a handover whose batch's registration such a read took). True when there
+        were some: the backlog, in id order, is read next."""
+        pending = streams.pending_of(self.r, list(self._expect), self.group, self.name)
+        if pending <= len(self._deferred) + unapplied:
+            return False
+        log.warning("shard %d: %d input entries pending here were read by a consumer that lost "
+                    "the shard; reading them again", self.shard, pending - len(self._deferred) - unapplied)
+        self.stats["taken_back"] += pending - len(self._deferred) - unapplied
+        self._deferred, self._backlog = [], True  # the backlog read returns the deferred too
+        return True
+
     def _xread(self, names: dict[str, str],
                block_ms: int | None) -> tuple[list, tuple[int, int] | None]:
         """The entries read, sorted by id, and the lowest last id of a stream whose read
@@ -334,13 +355,15 @@ class Admission:
     def _transitions(self, entries: Sequence[tuple[str, bytes, dict | None]]) -> int:
         txn = _Txn(self.r)
         done = 0
-        for stream, entry_id, fields in entries:
+        for i, (stream, entry_id, fields) in enumerate(entries):
             try:
                 self._input(txn, stream, entry_id, fields)
             except ProtocolError as exc:
                 done += self._commit(txn)
-                self._refuse(stream, entry_id, fields, exc)
                 self._rebuild()  # the refused event may have touched the machine
+                if self._taken_back(unapplied=len(entries) - i):
+                    return done  # this entry again, after the ones it was refused for lack of
+                self._refuse(stream, entry_id, fields, exc)
                 txn = _Txn(self.r)
             if txn.full:  # whole transitions only: a batch may span several transactions
                 done += self._commit(txn)

@@ -158,6 +158,16 @@ def pending(r: Client, stream: str, group: str, *, start: str | bytes = "-", end
                             consumername=consumer, idle=idle_ms)
 
 
+def pending_of(r: Client, streams: Sequence[str], group: str, consumer: str) -> int:
+    """How many entries of `streams` are pending in `group` for `consumer` (XPENDING's
+    summary form, one round trip)."""
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xpending(stream, group)
+    return sum(int(c["pending"]) for summary in pipe.execute() for c in summary["consumers"]
+               if text(c["name"]) == consumer)
+
+
 # ------------------------------------------------------------------ trimming
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from consumers.sources.scripted import ScriptedSource
 from pipeline import wire
-from pipeline.keys import TRAINER_GROUP
-from tests.integration.helpers import Trainer
+from pipeline.keys import TRAINER_GROUP, admission_group
+from tests.integration.helpers import Trainer, tasks_of
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 SCHEDULER = {"groups": 2, "rows": 4, "width": 64, "ahead": 0, "max_lag": 0}
@@ -83,3 +83,38 @@ def test_a_second_admission_waits_while_the_first_holds_the_shard(procs, r, keys
     first.terminate()  # a clean stop: the lease lapses, the second takes over
     _wait(lambda: _holder(r, keys).endswith(f":{second.pid}"), "the takeover")
     assert int(r.get(keys.fence(0))) == 2
+
+
+@pytest.mark.parametrize("redis_url", ["server", "embedded"], indirect=True)
+def test_entries_a_fenced_predecessor_read_are_applied_by_the_replacement(threads, r, keys):
+    """A predecessor that ran on after losing the shard reads under the same consumer name
+    (its commits are fenced, its reads are not): what it read stays pending, unapplied, and
+    a read of new entries never returns it. The shard's consumer reads such entries again:
+    before refusing the handover whose batch's registration was taken, and every
+    `shard_lease_s / 2` otherwise."""
+    admission = threads.admission(shard=0, shard_lease_s=1.0, block_ms=20, scheduler=SCHEDULER)
+    threads.consumer(ScriptedSource(default={"duration_s": 0.002}), slots=4, block_ms=20)
+    trainer = Trainer(r, keys, tasks=2, ahead=0)
+    trainer.open()
+
+    def steal_registration(batch: int) -> None:
+        # appended and read under the admission's name in one transaction: no reader between
+        pipe = r.pipeline(transaction=True)
+        pipe.xadd(keys.tasks(0), wire.to_fields(wire.Registration(0, 0, batch, tuple(tasks_of(batch, 2)))))
+        pipe.xreadgroup(admission_group(0), admission.name, {keys.tasks(0): ">"}, count=10)
+        _, read = pipe.execute()
+        assert [len(entries) for _, entries in read] == [1]
+
+    trainer.handover()
+    trainer.writer.wait_ready(0, 0, 20)
+    steal_registration(1)  # then at once the handover of step 1, which needs it
+    trainer.handover()
+    trainer.writer.wait_ready(0, 1, 20)
+    assert admission.stats["taken_back"] == 1
+
+    steal_registration(2)  # and no handover: the periodic check finds it
+    _wait(lambda: admission.stats["taken_back"] == 2, "the periodic check", timeout_s=10)
+    assert 2 in admission.sched._batches
+    trainer.handover()
+    trainer.writer.wait_ready(0, 2, 20)
+    assert r.xlen(keys.dead) == 0

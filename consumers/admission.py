@@ -329,12 +329,13 @@ class Admission:
         unapplied, and `>` never returns it. Checked every `shard_lease_s / 2` and before an
         event is refused (a handover whose batch's registration such a read took). True when there
         were some: the backlog, in id order, is read next."""
-        pending = streams.pending_of(self.r, list(self._expect), self.group, self.name)
-        if pending <= len(self._deferred) + unapplied:
+        taken = streams.pending_of(self.r, list(self._expect), self.group, self.name) \
+            - len(self._deferred) - unapplied
+        if taken <= 0:
             return False
         log.warning("shard %d: %d input entries pending here were read by a consumer that lost "
-                    "the shard; reading them again", self.shard, pending - len(self._deferred) - unapplied)
-        self.stats["taken_back"] += pending - len(self._deferred) - unapplied
+                    "the shard; reading them again", self.shard, taken)
+        self.stats["taken_back"] += taken
         self._deferred, self._backlog = [], True  # the backlog read returns the deferred too
         return True
 

@@ -1066,8 +1066,8 @@ def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: i
     try:
         _check(out, Result, _MERGED)
         data = _ENCODER.encode(out)  # msgpack.packb's bytes, of these plain values
-    except Exception:  # noqa: BLE001 (refused: the general path raises it with its field and reason)
-        return None
+    except (ValueError, TypeError, OverflowError, msgspec.EncodeError):  # SchemaError is a ValueError
+        return None  # refused: the general path raises it with its field and reason
     return data if len(data) <= max_bytes else None
 
 

@@ -97,28 +97,17 @@ def slot_accounting(spans: list[Span], trained: set[tuple[int, int, int]]) -> di
     for s in spans:
         latest[(s.group, s.sample)] = max(latest.get((s.group, s.sample), -1), s.attempt)
     trained_groups = {g for g, _, _ in trained}
-    busy = 0.0
     fates = dict.fromkeys(FATES, 0.0)
     lengths: list[float] = []
     trained_lengths: list[float] = []
     for s in spans:
-        busy += s.busy_s
+        fate = _fate(s, trained, latest, trained_groups)
+        fates[fate] += s.busy_s
         if s.length_s is not None:
             lengths.append(s.length_s)
-        if (s.group, s.sample, s.attempt) in trained:
-            if s.length_s is not None:
+            if fate == "trained":
                 trained_lengths.append(s.length_s)
-            fates["trained"] += s.busy_s
-        elif not s.ended:
-            fates["running"] += s.busy_s
-        elif s.length_s is None:
-            fates["cancelled"] += s.busy_s
-        elif s.attempt < latest[(s.group, s.sample)]:
-            fates["superseded"] += s.busy_s
-        elif s.group in trained_groups:
-            fates["surplus"] += s.busy_s
-        else:
-            fates["waiting"] += s.busy_s
+    busy = sum(fates.values())
     wasted = fates["cancelled"] + fates["superseded"] + fates["surplus"]
     bias = None
     if lengths and trained_lengths:
@@ -128,6 +117,20 @@ def slot_accounting(spans: list[Span], trained: set[tuple[int, int, int]]) -> di
             "waste_share": round(wasted / busy, 4) if busy else 0.0,
             "trained_length_bias": bias, "trained_length_s": trained_mean,
             "slot_s": fates}
+
+
+def _fate(s: Span, trained: set[tuple[int, int, int]], latest: dict[tuple[int, int], int],
+          trained_groups: set[int]) -> str:
+    """Which of `FATES` an attempt's slot-seconds met."""
+    if (s.group, s.sample, s.attempt) in trained:
+        return "trained"
+    if not s.ended:
+        return "running"
+    if s.length_s is None:
+        return "cancelled"
+    if s.attempt < latest[(s.group, s.sample)]:
+        return "superseded"
+    return "surplus" if s.group in trained_groups else "waiting"
 
 
 @dataclass

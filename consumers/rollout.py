@@ -38,8 +38,13 @@ lease lapsed during the outage and the admission consumer reclaimed the entry, n
 published: the attempt was already finished as `infra_error` and resubmitted.
 
 Cancellation: work whose attempt is in `cancelled:{shard}` when it is read is acknowledged
-without running (the scheduler already ended that attempt). A Cancel on `control` sets the
-running session's cancel event; its result is still appended (the scheduler drops it).
+without running (the scheduler already ended that attempt). The consumer knows that set
+without asking for it at each read (`_Cancels`): it reads a shard's set once, when the shard's
+first work comes, and again at each lease renewal (which drops what the admission pruned), and
+each read of work also reads `control` from where the last one stopped, in the same round
+trip, so the cancels it knows are those committed before that read returned, as the set
+would have told it. A Cancel on `control` sets the running session's cancel event; its
+result is still appended (the scheduler drops it).
 
 SIGTERM (`main`): stop taking work; let running sessions finish within `grace_s` (leases
 kept renewed meanwhile); then cancel the rest and wait briefly for them to return; a
@@ -63,7 +68,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -84,6 +89,7 @@ from pipeline.redis_io import (
     connect,
     parse_id,
     text,
+    transaction,
 )
 from pipeline.sessions import Session, SessionRequest, Status, is_async_source, runs_inline
 
@@ -99,6 +105,36 @@ def _member(work: wire.Work) -> str:
 
 def _ident(msg: wire.Work | wire.Cancel) -> tuple[int, int, int, int, int]:
     return msg.shard, msg.epoch, msg.group, msg.sample, msg.attempt
+
+
+class _Cancels:
+    """The attempts in each shard's `cancelled` set, as this consumer last read it (`load`),
+    and the Cancels it read on `control` since (`note`), by `_ident`."""
+
+    def __init__(self) -> None:
+        self._known: set[tuple[int, int, int, int, int]] = set()
+        self.shards: set[int] = set()
+
+    def __contains__(self, work: wire.Work) -> bool:
+        return _ident(work) in self._known
+
+    def note(self, cancel: wire.Cancel) -> None:
+        self._known.add(_ident(cancel))
+
+    def load(self, sets: Mapping[int, Sequence[bytes]]) -> None:
+        """Each shard's set as read now, instead of what was known of it (the admission
+        prunes old cancels from the set: they are forgotten here too)."""
+        self._known = {ident for ident in self._known if ident[0] not in sets}
+        for shard, members in sets.items():
+            self.shards.add(shard)
+            for name in members:
+                parts = text(name).split(":")
+                if len(parts) != 4 or not all(p.isdigit() for p in parts):
+                    log.warning("ignored %r in the cancelled set of shard %d: not epoch:group:sample:attempt",
+                                text(name), shard)
+                    continue
+                epoch, group, sample, attempt = map(int, parts)
+                self._known.add((shard, epoch, group, sample, attempt))
 
 
 class _Flag:
@@ -272,6 +308,8 @@ class RolloutConsumer:
         self._owned: dict[bytes, _Owned] = {}
         self._by_ident: dict[tuple, _Owned] = {}
         self._freed = threading.Event()
+        self._cancels = _Cancels()
+        self._control_from = "0-0"  # where the next read of work reads `control` from
         self._served = 0
         self._failure: BaseException | None = None
         self._next_renew = 0.0
@@ -334,7 +372,8 @@ class RolloutConsumer:
                 last[stream] = text(newest[0])
                 if stream == self.keys.weights:
                     self._on_broadcast(stream, *newest)
-        self._spawn(self._listen, last, name="listener", background=True)
+        self._control_from = last[self.keys.control]  # older cancels are in the cancelled sets
+        self._spawn(self._listen, dict(last), name="listener", background=True)
         if self.is_async:
             self._loop = asyncio.new_event_loop()
             self._spawn(self._loop.run_forever, name="loop", background=True)
@@ -388,9 +427,22 @@ class RolloutConsumer:
         if free <= 0:
             self._freed.wait(self.block_ms / 1000)
             return
-        read = streams.read_group(self.r, WORK_GROUP, self.name, {self.keys.work: ">"}, count=free,
-                                  block_ms=self.block_ms)
+        read, control = streams.read_group_and_follow(
+            self.r, WORK_GROUP, self.name, {self.keys.work: ">"}, {self.keys.control: self._control_from},
+            count=free, block_ms=self.block_ms)
+        self._note_cancels(control)
         self._start([(e.id, e.fields) for e in read])
+
+    def _note_cancels(self, control: Sequence[streams.Entry]) -> None:
+        """Learn the Cancels read on `control` with the work (the listener counts and logs
+        what does not decode: every consumer sees every broadcast)."""
+        for entry in control:
+            self._control_from = text(entry.id)
+            try:
+                msg = wire.from_fields(entry.fields or {}, wire.Cancel)
+            except wire.SchemaError:
+                continue  # the listener's `bad_broadcasts`
+            self._cancels.note(msg)
 
     def _start(self, items: Sequence[tuple[bytes, dict]]) -> None:
         """Dead-letter undecodable entries, skip cancelled attempts, start the rest."""
@@ -468,12 +520,11 @@ class RolloutConsumer:
         """Acknowledge, without running, attempts cancelled before they started."""
         if not owned:
             return set()
-        shards = sorted({o.work.shard for o in owned})
-        pipe = self.r.pipeline(transaction=False)
-        for shard in shards:  # one ZMSCORE per shard
-            pipe.zmscore(self.keys.cancelled(shard), [_member(o.work) for o in owned if o.work.shard == shard])
-        marks = dict(zip(shards, (iter(scores) for scores in pipe.execute())))
-        skipped = {o for o in owned if next(marks[o.work.shard]) is not None or o.cancelled.is_set()}
+        new_shards = {o.work.shard for o in owned} - self._cancels.shards
+        if new_shards:
+            self._load_cancels(new_shards)
+        cancels = self._cancels
+        skipped = {o for o in owned if o.work in cancels or o.cancelled.is_set()}
         skipped = {o for o in skipped if o.claim_publication()}
         if skipped:
             streams.ack(self.r, self.keys.work, WORK_GROUP, *(o.entry_id for o in skipped))
@@ -481,12 +532,23 @@ class RolloutConsumer:
             self._release(*skipped)
         return skipped
 
+    def _load_cancels(self, shards: set[int]) -> None:
+        """Read the cancelled sets of `shards` (one round trip)."""
+        ordered = sorted(shards)
+        pipe = self.r.pipeline(transaction=False)
+        for shard in ordered:
+            pipe.zrange(self.keys.cancelled(shard), 0, -1)
+        self._cancels.load(dict(zip(ordered, pipe.execute())))
+
     def _renew_if_due(self) -> None:
-        """Re-claim every owned entry (the lease); cancel sessions whose entry was reclaimed."""
+        """Re-claim every owned entry (the lease); cancel sessions whose entry was reclaimed;
+        read the cancelled sets again (what the admission pruned is forgotten)."""
         now = time.monotonic()
         if now < self._next_renew:
             return
         self._next_renew = now + self.config.lease_s / 3
+        if self._cancels.shards:
+            self._load_cancels(self._cancels.shards)
         ids = list(self._owned)
         if ids:
             kept = set(streams.claim(self.r, self.keys.work, WORK_GROUP, self.name, 0, ids))
@@ -590,14 +652,7 @@ class RolloutConsumer:
                     batch = self._still_pending(batch)
                     if not batch:
                         return
-                pipe = self.r.pipeline(transaction=True)
-                results = {shard: self.keys.results(shard) for shard in {p.owned.work.shard for p in batch}}
-                for p in batch:
-                    streams.append(pipe, results[p.owned.work.shard], p.fields)
-                    if p.dead is not None:
-                        streams.append(pipe, self.keys.dead, p.dead)
-                streams.ack(pipe, self.keys.work, WORK_GROUP, *(p.owned.entry_id for p in batch))
-                pipe.execute()
+                transaction(self.r, self._commands(batch))
                 outage.ended()
                 return
             except FATAL:
@@ -605,6 +660,18 @@ class RolloutConsumer:
             except RETRYABLE as exc:
                 self.stats["publish_retries"] += 1
                 time.sleep(outage.failed(exc))
+
+    def _commands(self, batch: Sequence[_Publication]) -> list[tuple]:
+        """The XADDs of `batch`'s results (and dead letters), and the XACK of its work."""
+        results = {shard: self.keys.results(shard) for shard in {p.owned.work.shard for p in batch}}
+        commands: list[tuple] = []
+        for p in batch:
+            assert p.fields is not None  # encoded before the commit
+            commands.append(streams.xadd_args(results[p.owned.work.shard], p.fields))
+            if p.dead is not None:
+                commands.append(streams.xadd_args(self.keys.dead, p.dead))
+        commands.append(("XACK", self.keys.work, WORK_GROUP, *(p.owned.entry_id for p in batch)))
+        return commands
 
     def _still_pending(self, batch: Sequence[_Publication]) -> list[_Publication]:
         pipe = self.r.pipeline(transaction=False)

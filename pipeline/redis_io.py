@@ -32,13 +32,16 @@ import logging
 import os
 import random
 import signal
+import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import hiredis
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -59,7 +62,7 @@ ACL_COMMANDS = (
     "xadd", "xreadgroup", "xread", "xack", "xclaim", "xpending", "xrange", "xrevrange",
     "xtrim", "xdel", "xlen", "xgroup|create", "xinfo|groups", "xinfo|stream", "xinfo|consumers",
     # hashes (state, held payloads, weight manifests), the cancelled set, plain keys
-    "hset", "hsetnx", "hget", "hmget", "hgetall", "hkeys", "hvals", "hdel", "zadd", "zscore", "zmscore",
+    "hset", "hsetnx", "hget", "hmget", "hgetall", "hkeys", "hvals", "hdel", "zadd", "zrange",
     "zremrangebyscore", "get", "set", "del", "exists", "incr", "incrby", "pexpire", "scan",
     # transactions (WATCH: an admission consumer's fencing token) and the connection
     # (SELECT: a URL naming a database other than 0)
@@ -88,7 +91,7 @@ ACL_ROLES: dict[str, AclRole] = {
     "admission": _RUN,  # it owns the run's state
     "consumer": AclRole(
         ("xreadgroup", "xread", "xack", "xclaim", "xpending", "xadd", "xrange", "xrevrange",
-         "xgroup|create", "xinfo|groups", "get", "hgetall", "zscore", "zmscore", "multi", "exec",
+         "xgroup|create", "xinfo|groups", "get", "hgetall", "zrange", "multi", "exec",
          "discard", "ping", "hello", "select"),
         writes=("work", "results:*", "dead"),
         reads=("control", "cancelled:*", "weights*"),
@@ -206,6 +209,85 @@ def connect(config: RedisConfig, **overrides) -> redis.Redis:
         kwargs["ssl_ca_certs"] = str(config.tls_ca_file)
     kwargs.update(overrides)
     return redis.Redis.from_url(config.url, **kwargs)
+
+
+def transaction(r: redis.Redis, commands: Sequence[tuple]) -> list:
+    """MULTI, `commands` (each a command's arguments, as `execute_command` takes them), EXEC,
+    written at once on a connection of `r`'s pool: the EXEC's replies, as Redis sent them (no
+    response callbacks). A command's error raises, as redis-py's transaction pipeline raises
+    it (the first), and so does a lost connection, which is closed (the transaction then may
+    or may not have applied: the caller knows how to find out)."""
+    pool = r.connection_pool
+    conn = pool_connection(pool)
+    try:
+        send_commands(conn, [("MULTI",), *commands, ("EXEC",)])
+        replies = exec_replies(conn, len(commands))
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    if replies is None:
+        raise redis.exceptions.WatchError("the transaction was refused by a WATCH")
+    for reply in replies:
+        if isinstance(reply, redis.exceptions.ResponseError):
+            raise reply
+    return replies
+
+
+def send_commands(conn: redis.connection.Connection, commands: Sequence[tuple]) -> None:
+    """Write `commands` on `conn` (connected) in as few system calls as its socket allows:
+    redis-py writes each large command with a call of its own, which on a transaction of many
+    appended results costs more than the bytes; here a plain socket gathers up to
+    `_GATHER` commands per `sendmsg`. A TLS socket, which cannot gather, is written by
+    redis-py. Errors are redis-py's: TimeoutError, ConnectionError."""
+    packed = [hiredis.pack_command(args) for args in commands]
+    sock = getattr(conn, "_sock", None)
+    if sock is None or isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+        conn.send_packed_command(packed)
+        return
+    pending = [memoryview(data) for data in packed]
+    first = 0
+    try:
+        while first < len(pending):
+            sent = sock.sendmsg(pending[first:first + _GATHER])
+            while first < len(pending) and sent >= len(pending[first]):
+                sent -= len(pending[first])
+                first += 1
+            if sent:
+                pending[first] = pending[first][sent:]
+    except socket.timeout as exc:
+        raise redis.exceptions.TimeoutError("Timeout writing to socket") from exc
+    except OSError as exc:
+        raise redis.exceptions.ConnectionError(f"Error while writing to socket: {exc}") from exc
+
+
+_GATHER = 512  # buffers per sendmsg, within every system's IOV_MAX (1024 on Linux)
+
+
+def exec_replies(conn: redis.connection.Connection, n: int) -> list | None:
+    """The EXEC reply of a MULTI, `n` commands, EXEC just sent on `conn` (None: refused by
+    a WATCH); a command refused while queued raises its error, as redis-py does."""
+    errors: list[redis.exceptions.ResponseError] = []
+    for _ in range(n + 1):  # MULTI's OK, then QUEUED for each command
+        try:
+            conn.read_response()
+        except redis.exceptions.ResponseError as exc:
+            errors.append(exc)
+    try:
+        return conn.read_response()
+    except redis.exceptions.ExecAbortError:
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def pool_connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
+    """A connection of `pool`, taken out of it until released (redis-py 5.3 deprecated the
+    command name that earlier versions require)."""
+    if redis.VERSION >= (5, 3):
+        return pool.get_connection()
+    return pool.get_connection("MULTI")  # type: ignore[call-arg,unused-ignore]
 
 
 def where(config: RedisConfig) -> str:

@@ -63,16 +63,29 @@ def read_group(r: Client, group: str, consumer: str, streams: Mapping[str, str],
                count: int | None = None, block_ms: int | None = None) -> list[Entry]:
     """XREADGROUP: from each stream, its entries after the given id (`>`: new ones; `0`: this
     consumer's pending ones), in the order the server returns them."""
-    reply = r.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms)
-    return [Entry(text(stream), entry_id, fields)
-            for stream, entries in reply or [] for entry_id, fields in entries]
+    return _entries(r.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms))
+
+
+def read_group_and_follow(r: Client, group: str, consumer: str, streams: Mapping[str, str],
+                          follow: Mapping[str, str], *, count: int | None = None,
+                          block_ms: int | None = None) -> tuple[list[Entry], list[Entry]]:
+    """`read_group`, then, in the same round trip, XREAD of the broadcast streams `follow`
+    after their given ids: what they hold as of the moment that read returned."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms)
+    pipe.xread(dict(follow))
+    taken, followed = pipe.execute()
+    return _entries(taken), _entries(followed)
 
 
 def read(r: Client, streams: Mapping[str, str], *, block_ms: int | None = None) -> list[Entry]:
     """XREAD (no group: a broadcast every reader sees): each stream's entries after its id."""
-    reply = r.xread(dict(streams), block=block_ms)
-    return [Entry(text(stream), entry_id, fields)
-            for stream, entries in reply or [] for entry_id, fields in entries]
+    return _entries(r.xread(dict(streams), block=block_ms))
+
+
+def _entries(reply: Any) -> list[Entry]:
+    """The entries of an XREAD or XREADGROUP reply (redis-py's: [stream, [(id, fields)]] each)."""
+    return [Entry(text(stream), entry_id, fields) for stream, entries in reply or [] for entry_id, fields in entries]
 
 
 def entries(r: Client, stream: str, start: str = "-", end: str = "+", *,
@@ -93,6 +106,12 @@ def newest(r: Client, stream: str) -> tuple[bytes, Fields] | None:
 def append(r: Client, stream: str, fields: Mapping[bytes | str, Any]) -> Any:
     """XADD `fields` to `stream` (its id, or the pipeline when `r` is one)."""
     return r.xadd(stream, dict(fields))
+
+
+def xadd_args(stream: str, fields: Mapping[bytes | str, Any]) -> tuple:
+    """The arguments of `append`'s XADD (an id Redis makes), for a transaction written at once
+    (`redis_io.transaction`)."""
+    return ("XADD", stream, "*", *(part for pair in fields.items() for part in pair))
 
 
 def ack(r: Client, stream: str, group: str, *ids: bytes | str) -> Any:

@@ -94,9 +94,10 @@ def test_a_consumer_gives_up_with_a_clear_error_once_redis_stays_away(server):
 
 
 @pytest.mark.timeout(30)
-def test_a_result_whose_exec_reply_was_lost_is_not_appended_twice(server):
+def test_a_result_whose_exec_reply_was_lost_is_not_appended_twice(server, monkeypatch):
     """The EXEC applies but its reply is lost: the retry finds the work entry acknowledged
     and does not publish again."""
+    from consumers import rollout
     from consumers.rollout import RolloutConsumer, _Owned, _Publication
     from pipeline import wire
     from pipeline.config import ConsumerConfig
@@ -113,23 +114,16 @@ def test_a_result_whose_exec_reply_was_lost_is_not_appended_twice(server):
     [(_, [(entry_id, _)])] = r.xreadgroup(WORK_GROUP, "c", {keys.work: ">"})
     owned = _Owned(entry_id, work)
     calls = []
-    real_pipeline = r.pipeline
+    real_transaction = rollout.transaction
 
-    def pipeline(transaction: bool = True):
-        pipe = real_pipeline(transaction=transaction)
-        if transaction:  # the result's MULTI/EXEC: it applies, and its first reply is lost
-            real_execute = pipe.execute
+    def transaction(client, commands):  # the result's MULTI/EXEC: it applies, and its first reply is lost
+        out = real_transaction(client, commands)
+        calls.append(1)
+        if len(calls) == 1:
+            raise redis_lib.exceptions.ConnectionError("reply lost")
+        return out
 
-            def execute():
-                out = real_execute()
-                calls.append(1)
-                if len(calls) == 1:
-                    raise redis_lib.exceptions.ConnectionError("reply lost")
-                return out
-            pipe.execute = execute
-        return pipe
-
-    r.pipeline = pipeline
+    monkeypatch.setattr(rollout, "transaction", transaction)
     consumer._commit([_Publication(owned, {b"m": b"result"}, None)])
     assert r.xlen(keys.results(0)) == 1 and calls == [1]
     assert consumer.stats["republish_skipped"] == 1

@@ -17,6 +17,15 @@ result of the same size (its wire form built beforehand) and XADD, XACK of the b
 (`pipeline.collector.collect_less`, which `consumers.rollout.main` calls at start, as the
 admission process does). Reported: `consumer_per_s`, `floor_per_s`, their `ratio`, and the
 ratio of the two loops' client CPU seconds (`cpu_ratio`; Redis's own CPU is not counted).
+
+The consumer's time includes its source's: `SleepSource` makes each session's 1k tokens
+and log-probs, which the floor, whose reply is built beforehand, never does. So the source
+alone is also timed, making the same N sessions one after another (`source_s`), and
+`own_per_s` and `own_ratio` are the consumer's rate and ratio with that time taken out: the
+consumer's own overhead per session (reading, decoding and owning the work, checking,
+encoding and appending the result, acknowledging, leases, heartbeats), which is what the
+floor does the minimum of. The source alone runs without the consumer's other work about, so
+this takes out at most what the source cost inside the consumer.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from pipeline.config import ConsumerConfig, RedisConfig, build
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.streams import ensure_group
-from pipeline.sessions import Call, Session, Status, Task
+from pipeline.sessions import Call, Session, SessionRequest, Status, Task
 
 
 def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, completion: int = 768) -> dict:
@@ -79,6 +88,7 @@ def _run(url: str, sessions: int, slots: int, prompt: int, completion: int) -> d
         stop.set()
         thread.join(30)
         result_bytes = sum(len(f[wire.FIELD]) for _, f in r.xrange(keys.results(0), count=8))
+        source_s = _source_alone(source, work)
         statuses = {k: v for k, v in consumer.stats.items() if k.startswith("results_")}
 
         # the floor: the same work, no logic; a result of the same size encoded per entry
@@ -96,16 +106,35 @@ def _run(url: str, sessions: int, slots: int, prompt: int, completion: int) -> d
         delete_namespace(r, keys)
         r.close()
     rate, floor_rate = sessions / consumer_s, sessions / floor_s
+    own_rate = sessions / max(consumer_s - source_s, 1e-9)
     return {
         "consumer_per_s": round(rate, 1),
         "floor_per_s": round(floor_rate, 1),
         "ratio": round(rate / floor_rate, 4),
         "cpu_ratio": round(floor_cpu_s / consumer_cpu_s, 4),
+        "own_per_s": round(own_rate, 1),
+        "own_ratio": round(own_rate / floor_rate, 4),
+        "source_us": round(source_s / sessions * 1e6, 2),
         "workload": {"sessions": sessions, "slots": slots, "tokens_per_session": prompt + completion,
                      "result_bytes_mean": round(result_bytes / 8)},
         "consumer": {"seconds": round(consumer_s, 3), "cpu_s": round(consumer_cpu_s, 3), "results": statuses},
         "floor": {"seconds": round(floor_s, 3), "cpu_s": round(floor_cpu_s, 3)},
     }
+
+
+def _source_alone(source, work: list[dict]) -> float:
+    """Seconds `source` takes to make the sessions of `work`, one after another, alone."""
+    from consumers.rollout import _Flag
+
+    requests = []
+    for fields in work:
+        w = wire.from_fields(fields, wire.Work)
+        requests.append(SessionRequest(w.task, w.group, w.sample, w.attempt, w.submitted_version, w.deadline,
+                                       _Flag(), lambda: 0))
+    t0 = time.perf_counter()
+    for request in requests:
+        source.run(request)
+    return time.perf_counter() - t0
 
 
 class _Published(Counter):
@@ -156,4 +185,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"consumer:          {result['consumer_per_s']:10.1f} sessions/s")
         print(f"raw floor:         {result['floor_per_s']:10.1f} sessions/s")
         print(f"consumer / floor:  {result['ratio']}")
+        print(f"without the source's {result['source_us']} us a session: {result['own_per_s']:10.1f} "
+              f"sessions/s, {result['own_ratio']} of the floor")
     return 0

@@ -91,3 +91,16 @@ def test_bench_schedule_frontier_over_seeds_averages_the_draws(capsys):
         shares = point["per_seed"]["capacity_share"]
         assert point["seeds"] == 2 and len(shares) == 2
         assert point["capacity_share"] == pytest.approx(sum(shares) / 2, abs=1e-4)
+
+
+def test_bench_consumer_against_the_floor_with_and_without_its_source(redis_config):
+    from rollstream import bench_consumer
+
+    out = bench_consumer.run(redis_config.url, sessions=256, slots=16, prompt=64, completion=192)
+    assert out["consumer"]["results"] == {"results_completed": 256}
+    assert out["workload"]["tokens_per_session"] == 256 and out["workload"]["result_bytes_mean"] > 256 * 6
+    assert out["ratio"] == pytest.approx(out["consumer_per_s"] / out["floor_per_s"], rel=0.01)
+    assert out["source_us"] > 0 and out["own_per_s"] > out["consumer_per_s"]
+    own_s = out["consumer"]["seconds"] - out["source_us"] * 256 / 1e6
+    assert out["own_per_s"] == pytest.approx(256 / own_s, rel=0.1)  # seconds rounded to the ms
+    assert out["own_ratio"] == pytest.approx(out["own_per_s"] / out["floor_per_s"], rel=0.01)

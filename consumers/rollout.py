@@ -69,7 +69,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -191,8 +191,9 @@ def _held_lock() -> threading.Lock:
 class _Publication:
     """A finished session's result entry (and dead letter), waiting for its commit; or,
     with `encode`, what makes them, which the committing thread calls (`fields` None till then).
-    `wake` is released when the publication is committed (`done`) or its thread is to lead
-    the next commit."""
+    `wake`, held, is given to the first publication of a `publish` call that finds a commit
+    in flight, and released when it is committed (`done`) or its thread is to lead the next
+    commit."""
 
     owned: _Owned
     fields: dict | None
@@ -200,7 +201,7 @@ class _Publication:
     done: bool = False
     error: BaseException | None = None
     encode: Callable[[], tuple[dict, dict | None]] | None = None
-    wake: threading.Lock = field(default_factory=_held_lock)
+    wake: threading.Lock | None = None
 
 
 class _GroupCommit:
@@ -223,7 +224,9 @@ class _GroupCommit:
         with self._lock:
             self._queue.extend((p, *more))
             lead, self._busy = not self._busy, True
-        if not lead:
+            if not lead:  # before the lock is let go: the commit in flight may release it
+                p.wake = _held_lock()
+        if p.wake is not None:
             p.wake.acquire()  # committed, or handed the next commit
         if not p.done:
             self._lead()
@@ -245,9 +248,10 @@ class _GroupCommit:
                 following = self._queue[0] if self._queue else None
                 self._busy = following is not None
             for q in batch:
-                if q.wake.locked():
+                if q.wake is not None and q.wake.locked():
                     q.wake.release()
             if following is not None:
+                assert following.wake is not None  # the first of a call that found this commit in flight
                 following.wake.release()  # it leads the next commit
 
 
@@ -446,17 +450,17 @@ class RolloutConsumer:
 
     def _start(self, items: Sequence[tuple[bytes, dict]]) -> None:
         """Dead-letter undecodable entries, skip cancelled attempts, start the rest."""
-        decoded = []
-        poison = self.r.pipeline(transaction=True)
+        decoded, poison = [], None
         for entry_id, fields in items:
             try:
                 decoded.append((entry_id, wire.from_fields(fields, wire.Work,
                                                            max_bytes=self.config.max_message_bytes)))
             except wire.SchemaError as exc:
+                poison = poison if poison is not None else self.r.pipeline(transaction=True)
                 self._dead_letter_work(poison, entry_id, fields, exc)
         owned = self._own(decoded)  # before the check: a later Cancel finds them
         try:
-            if len(poison):
+            if poison is not None:
                 poison.execute()
             skipped = self._skip_cancelled(owned)
         except RETRYABLE:

@@ -39,12 +39,13 @@ published: the attempt was already finished as `infra_error` and resubmitted.
 
 Cancellation: work whose attempt is in `cancelled:{shard}` when it is read is acknowledged
 without running (the scheduler already ended that attempt). The consumer knows that set
-without asking for it at each read (`_Cancels`): it reads a shard's set once, when the shard's
-first work comes, and again at each lease renewal (which drops what the admission pruned), and
-each read of work also reads `control` from where the last one stopped, in the same round
-trip, so the cancels it knows are those committed before that read returned, as the set
-would have told it. A Cancel on `control` sets the running session's cancel event; its
-result is still appended (the scheduler drops it).
+without asking for it at each read (`_Cancels`): it reads a shard's set once, when the
+shard's first work comes, and each read of work also reads `control` from where the last one
+stopped, in the same round trip, so the cancels it knows are those committed before that
+read returned, as the set would have told it. At each lease renewal it forgets the cancels
+older than `control`'s oldest entry (the admission prunes the set and the stream by the same
+age). A Cancel on `control` sets the running session's cancel event; its result is still
+appended (the scheduler drops it).
 
 SIGTERM (`main`): stop taking work; let running sessions finish within `grace_s` (leases
 kept renewed meanwhile); then cancel the rest and wait briefly for them to return; a
@@ -68,7 +69,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -108,33 +109,38 @@ def _ident(msg: wire.Work | wire.Cancel) -> tuple[int, int, int, int, int]:
 
 
 class _Cancels:
-    """The attempts in each shard's `cancelled` set, as this consumer last read it (`load`),
-    and the Cancels it read on `control` since (`note`), by `_ident`."""
+    """The cancelled attempts this consumer knows, by `_ident`, each with the time of its
+    cancel (seconds): each shard's `cancelled` set as read once (`load`; scored by the
+    admission's clock), and the Cancels read on `control` since (`note`; Redis's clock)."""
 
     def __init__(self) -> None:
-        self._known: set[tuple[int, int, int, int, int]] = set()
+        self._known: dict[tuple[int, int, int, int, int], float] = {}
         self.shards: set[int] = set()
 
     def __contains__(self, work: wire.Work) -> bool:
         return _ident(work) in self._known
 
-    def note(self, cancel: wire.Cancel) -> None:
-        self._known.add(_ident(cancel))
+    def __len__(self) -> int:
+        return len(self._known)
 
-    def load(self, sets: Mapping[int, Sequence[bytes]]) -> None:
-        """Each shard's set as read now, instead of what was known of it (the admission
-        prunes old cancels from the set: they are forgotten here too)."""
-        self._known = {ident for ident in self._known if ident[0] not in sets}
-        for shard, members in sets.items():
-            self.shards.add(shard)
-            for name in members:
-                parts = text(name).split(":")
-                if len(parts) != 4 or not all(p.isdigit() for p in parts):
-                    log.warning("ignored %r in the cancelled set of shard %d: not epoch:group:sample:attempt",
-                                text(name), shard)
-                    continue
-                epoch, group, sample, attempt = map(int, parts)
-                self._known.add((shard, epoch, group, sample, attempt))
+    def note(self, cancel: wire.Cancel, at: float) -> None:
+        self._known[_ident(cancel)] = at
+
+    def load(self, shard: int, members: Sequence[tuple[bytes, float]]) -> None:
+        """A shard's set as read now (members with their scores)."""
+        self.shards.add(shard)
+        for name, score in members:
+            parts = text(name).split(":")
+            if len(parts) != 4 or not all(p.isdigit() for p in parts):
+                log.warning("ignored %r in the cancelled set of shard %d: not epoch:group:sample:attempt",
+                            text(name), shard)
+                continue
+            epoch, group, sample, attempt = map(int, parts)
+            self._known.setdefault((shard, epoch, group, sample, attempt), score)
+
+    def forget_before(self, when: float) -> None:
+        """Forget the cancels made before `when` (seconds)."""
+        self._known = {ident: at for ident, at in self._known.items() if at >= when}
 
 
 class _Flag:
@@ -446,7 +452,7 @@ class RolloutConsumer:
                 msg = wire.from_fields(entry.fields or {}, wire.Cancel)
             except wire.SchemaError:
                 continue  # the listener's `bad_broadcasts`
-            self._cancels.note(msg)
+            self._cancels.note(msg, parse_id(entry.id)[0] / 1000)
 
     def _start(self, items: Sequence[tuple[bytes, dict]]) -> None:
         """Dead-letter undecodable entries, skip cancelled attempts, start the rest."""
@@ -541,18 +547,26 @@ class RolloutConsumer:
         ordered = sorted(shards)
         pipe = self.r.pipeline(transaction=False)
         for shard in ordered:
-            pipe.zrange(self.keys.cancelled(shard), 0, -1)
-        self._cancels.load(dict(zip(ordered, pipe.execute())))
+            pipe.zrange(self.keys.cancelled(shard), 0, -1, withscores=True)
+        for shard, members in zip(ordered, pipe.execute()):
+            self._cancels.load(shard, members)
+
+    def _forget_old_cancels(self) -> None:
+        """Forget the cancels older than `control`'s oldest entry: the admission has pruned
+        them from the cancelled sets too (by the same age)."""
+        oldest = streams.entries(self.r, self.keys.control, count=1)
+        if oldest:
+            self._cancels.forget_before(parse_id(oldest[0][0])[0] / 1000)
 
     def _renew_if_due(self) -> None:
         """Re-claim every owned entry (the lease); cancel sessions whose entry was reclaimed;
-        read the cancelled sets again (what the admission pruned is forgotten)."""
+        forget the cancels the admission pruned."""
         now = time.monotonic()
         if now < self._next_renew:
             return
         self._next_renew = now + self.config.lease_s / 3
-        if self._cancels.shards:
-            self._load_cancels(self._cancels.shards)
+        if len(self._cancels):
+            self._forget_old_cancels()
         ids = list(self._owned)
         if ids:
             kept = set(streams.claim(self.r, self.keys.work, WORK_GROUP, self.name, 0, ids))

@@ -95,14 +95,19 @@ def test_cancels_on_control_and_in_the_set_are_each_known_before_the_work_runs(t
 
 
 @pytest.mark.timeout(60)
-def test_a_cancel_pruned_from_the_set_is_forgotten_at_the_next_lease_renewal(threads, r, keys):
+def test_a_cancel_the_admission_pruned_is_forgotten_at_the_next_lease_renewal(threads, r, keys):
     streams.ensure_group(r, keys.work, WORK_GROUP)
-    r.zadd(keys.cancelled(0), {"0:0:0:0": 1.0, "0:0:1:0": 1.0})
+    old = time.time() - 1000
+    r.zadd(keys.cancelled(0), {"0:0:0:0": old, "0:0:1:0": old})
     consumer = threads.consumer(SleepSource(median_s=0.0, prompt_tokens=8, completion_tokens=8, vocab=64, seed=0),
                                 slots=4, block_ms=20, vocab=64, lease_s=0.3, grace_s=1.0)
     r.xadd(keys.work, _work(0, 1))  # skipped: the set is read with the shard's first work
     _settled(r, keys)
-    r.zrem(keys.cancelled(0), "0:0:0:0")  # pruned, as the admission prunes old cancels
+    _counted(consumer, "skipped", 1)
+    # the admission prunes the set and `control` by the same age: both old cancels go, a newer
+    # one stays on `control`
+    _cancel(r, keys, 0, 3)
+    r.zremrangebyscore(keys.cancelled(0), "-inf", old)
     beat, seen = None, 0
     deadline = time.monotonic() + 10
     while seen < 3:  # three heartbeats (every lease_s / 3) span a lease renewal after the prune
@@ -112,4 +117,7 @@ def test_a_cancel_pruned_from_the_set_is_forgotten_at_the_next_lease_renewal(thr
             beat, seen = now, seen + 1
         time.sleep(0.01)
     r.xadd(keys.work, _work(0, 0))
+    r.xadd(keys.work, _work(0, 3))
     assert set(_ran(r, keys, 1)) == {(0, 0)}
+    _settled(r, keys)
+    _counted(consumer, "skipped", 2)  # the newer cancel is still known

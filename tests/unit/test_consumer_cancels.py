@@ -1,6 +1,7 @@
-"""`_Cancels`: what a rollout consumer knows of the cancelled attempts. A shard's set, read
-again, replaces what was known of that shard (the admission pruned the rest); other shards
-keep theirs; a member that does not name an attempt is left out, with a warning."""
+"""`_Cancels`: what a rollout consumer knows of the cancelled attempts. A shard's set is read
+with each member's score; a Cancel read on `control` is noted with its time; what is older
+than a time is forgotten; a member that does not name an attempt is left out, with a
+warning."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ def _work(shard: int, group: int) -> wire.Work:
     return wire.Work(shard, 0, group, 1, 0, Task("t"), 0)
 
 
-def test_a_shard_read_again_replaces_what_was_known_of_it_alone(caplog):
+def test_cancels_are_known_by_attempt_and_forgotten_by_age(caplog):
     cancels = _Cancels()
-    cancels.load({0: [b"0:1:1:0", b"0:2:1:0"], 1: [b"0:1:1:0"]})
-    cancels.note(wire.Cancel(0, 0, 3, 1, 0, "stale"))
+    with caplog.at_level(logging.WARNING):
+        cancels.load(0, [(b"0:1:1:0", 10.0), (b"0:2:1:0", 20.0), (b"bad", 1.0), (b"0:x:1:0", 1.0)])
+    cancels.load(1, [(b"0:1:1:0", 30.0)])
+    cancels.note(wire.Cancel(0, 0, 3, 1, 0, "stale"), 40.0)
+    assert sum("not epoch:group:sample:attempt" in m for m in caplog.messages) == 2
     assert {g for g in range(5) if _work(0, g) in cancels} == {1, 2, 3}
     assert cancels.shards == {0, 1} and _work(1, 1) in cancels and _work(1, 2) not in cancels
-    with caplog.at_level(logging.WARNING):
-        cancels.load({0: [b"0:2:1:0", b"bad", b"0:x:1:0"]})
-    assert {g for g in range(5) if _work(0, g) in cancels} == {2}
-    assert _work(1, 1) in cancels  # shard 1 was not read again
-    assert sum("not epoch:group:sample:attempt" in m for m in caplog.messages) == 2
+    assert wire.Work(0, 0, 1, 1, 1, Task("t"), 0) not in cancels  # another attempt of the sample
+    cancels.forget_before(20.0)
+    assert {g for g in range(5) if _work(0, g) in cancels} == {2, 3} and _work(1, 1) in cancels
+    cancels.forget_before(35.0)
+    assert len(cancels) == 1 and _work(0, 3) in cancels and cancels.shards == {0, 1}

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import redis
 
 from pipeline import wire
-from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, text
+from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, pool_connection, send_commands, text
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +66,35 @@ def read_group(r: Client, group: str, consumer: str, streams: Mapping[str, str],
     return _entries(r.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms))
 
 
-def read_group_and_follow(r: Client, group: str, consumer: str, streams: Mapping[str, str],
+def read_group_and_follow(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, str],
                           follow: Mapping[str, str], *, count: int | None = None,
                           block_ms: int | None = None) -> tuple[list[Entry], list[Entry]]:
-    """`read_group`, then, in the same round trip, XREAD of the broadcast streams `follow`
-    after their given ids: what they hold as of the moment that read returned."""
-    pipe = r.pipeline(transaction=False)
-    pipe.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms)
-    pipe.xread(dict(follow))
-    taken, followed = pipe.execute()
-    return _entries(taken), _entries(followed)
+    """`read_group`, then, in the same write, XREAD of the broadcast streams `follow` after
+    their given ids, which Redis runs once the first read returns: what they hold as of that
+    moment. The replies are read raw (hiredis's lists, no redis-py callbacks)."""
+    options = [*(("COUNT", count) if count is not None else ()), *(("BLOCK", block_ms) if block_ms is not None else ())]
+    pool = r.connection_pool
+    conn = pool_connection(pool)
+    try:
+        send_commands(conn, [("XREADGROUP", "GROUP", group, consumer, *options, "STREAMS", *streams, *streams.values()),
+                             ("XREAD", "STREAMS", *follow, *follow.values())])
+        taken = conn.read_response()
+        followed = conn.read_response()
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    return _raw_entries(taken), _raw_entries(followed)
+
+
+def _raw_entries(reply: Any) -> list[Entry]:
+    """The entries of a raw XREAD or XREADGROUP reply: nil, or by stream (RESP3's map, or
+    RESP2's list of [stream, entries] pairs) each stream's [[id, [field, value, ...] or nil],
+    ...]."""
+    by_stream = reply.items() if isinstance(reply, dict) else reply or []
+    return [Entry(text(stream), entry_id, dict(zip(flat[::2], flat[1::2])) if flat is not None else None)
+            for stream, entries in by_stream for entry_id, flat in entries]
 
 
 def read(r: Client, streams: Mapping[str, str], *, block_ms: int | None = None) -> list[Entry]:

@@ -121,3 +121,4 @@ def test_a_cancel_the_admission_pruned_is_forgotten_at_the_next_lease_renewal(th
     assert set(_ran(r, keys, 1)) == {(0, 0)}
     _settled(r, keys)
     _counted(consumer, "skipped", 2)  # the newer cancel is still known
+

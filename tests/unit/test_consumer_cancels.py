@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from consumers.rollout import _Cancels
-from pipeline import wire
+from pipeline import streams, wire
 from pipeline.sessions import Task
 
 
@@ -30,3 +30,12 @@ def test_cancels_are_known_by_attempt_and_forgotten_by_age(caplog):
     assert {g for g in range(5) if _work(0, g) in cancels} == {2, 3} and _work(1, 1) in cancels
     cancels.forget_before(35.0)
     assert len(cancels) == 1 and _work(0, 3) in cancels and cancels.shards == {0, 1}
+
+
+def test_raw_read_replies_in_either_protocol_give_the_same_entries():
+    resp2 = [[b"s", [[b"1-0", [b"m", b"x", b"n", b"y"]], [b"2-0", None]]], [b"t", [[b"3-0", [b"m", b"z"]]]]]
+    resp3 = {b"s": resp2[0][1], b"t": resp2[1][1]}
+    want = [streams.Entry("s", b"1-0", {b"m": b"x", b"n": b"y"}), streams.Entry("s", b"2-0", None),
+            streams.Entry("t", b"3-0", {b"m": b"z"})]
+    assert streams._raw_entries(resp2) == streams._raw_entries(resp3) == want
+    assert streams._raw_entries(None) == []

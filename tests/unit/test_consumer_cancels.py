@@ -1,4 +1,5 @@
-"""`_Cancels`: what a rollout consumer knows of the cancelled attempts. A shard's set is read
+"""`_Cancels`: what a rollout consumer knows of the cancelled attempts (and the raw replies of
+the read that brings the Cancels with the work, in either protocol). A shard's set is read
 with each member's score; a Cancel read on `control` is noted with its time; what is older
 than a time is forgotten; a member that does not name an attempt is left out, with a
 warning."""

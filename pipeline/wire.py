@@ -27,7 +27,7 @@ import enum
 import math
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import itemgetter
@@ -985,10 +985,157 @@ def check_result(result: Result, *, vocab: int | None = None) -> None:
         if chain.support is not None and chain.support.size and int(chain.support.max()) >= vocab:
             raise SchemaError("chains.support", f"token id {int(chain.support.max())} is beyond the "
                               f"vocabulary of {vocab} (the config's vocab)")
-    started, finished = result.timings.get("started"), result.timings.get("finished")
-    if started is not None and finished is not None and finished < started:
+    if _negative_duration(result.timings):
+        started, finished = result.timings["started"], result.timings["finished"]
         raise SchemaError("timings.finished", f"{finished} is before timings.started {started}: "
                           "a negative duration")
+
+
+def _negative_duration(timings: Mapping[str, float]) -> bool:
+    """Whether `timings.finished` is before `timings.started` (both given)."""
+    started, finished = timings.get("started"), timings.get("finished")
+    return started is not None and finished is not None and finished < started
+
+
+# ---------------------------------------------------------------- results, a read batch at once
+# The admission consumer decodes every result once, on input, a read batch at a time:
+# `decode_results` takes each entry's bytes through the compiled struct and checks its chains'
+# per-chain numbers in Python (`_result_piece`), then runs every per-token check (token ids,
+# the vocabulary, log-probs) once over the batch's arrays joined, and expands the loss tokens'
+# log-probs and versions once for the whole batch; each chain is a slice of those arrays.
+# It takes only what `decode` + `check_result` accept, with the same values: anything either
+# would refuse (or that it does not handle: another kind, sampling support) is left to them.
+
+_RESULT_WIRE = _STRUCTS[Result]
+_U1 = np.dtype("|u1")
+
+
+class _Piece:
+    """One entry's decoded result fields and its chains' checked wire pieces."""
+
+    __slots__ = ("values", "lengths", "calls", "call_tokens", "tokens", "bits", "logprobs",
+                 "versions", "runs", "total")
+
+    def __init__(self, values: dict[str, Any], ints: tuple[tuple[int, ...], ...], raw: tuple[bytes, bytes, bytes],
+                 total: int) -> None:
+        self.values = values
+        self.lengths, self.calls, self.call_tokens, self.versions, self.runs = ints
+        self.tokens, self.bits, self.logprobs = raw
+        self.total = total
+
+
+def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
+                   max_bytes: int = MAX_MESSAGE_BYTES) -> list[Result | None]:
+    """`decode(data, Result)` of each of several entries' bytes, each passing
+    `check_result(vocab=vocab)`, decoded and checked together (see above); None for an entry
+    this does not take: `decode` and `check_result` of it alone give its message or refusal."""
+    out: list[Result | None] = [None] * len(datas)
+    taken = [(i, piece) for i, data in enumerate(datas) if (piece := _result_piece(data, max_bytes)) is not None]
+    if not taken:
+        return out
+    pieces = [piece for _, piece in taken]
+    tokens = np.frombuffer(bytearray().join([p.tokens for p in pieces]), TOKEN_DTYPE)
+    logprobs = np.frombuffer(b"".join([p.logprobs for p in pieces]), LOGPROB_DTYPE)
+    if len(tokens) and (_MIN(tokens, axis=None) < 0 or (vocab is not None and _MAX(tokens, axis=None) >= vocab)):
+        return out  # one refuses: each decoded alone
+    if len(logprobs) and not finite_logprobs(logprobs):
+        return out
+    loss = _batch_loss(pieces, len(tokens))
+    full_logprobs = np.zeros(len(tokens), LOGPROB_DTYPE)
+    full_logprobs[loss] = logprobs
+    full_versions = np.full(len(tokens), NO_VERSION, VERSION_DTYPE)
+    versions = [v for p in pieces for v in p.versions]
+    if len(set(versions)) == 1:  # one version served every loss token of the batch (usually)
+        full_versions[loss] = versions[0]
+    elif versions:
+        full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), [r for p in pieces for r in p.runs])
+    start = 0
+    for i, piece in taken:
+        chains = []
+        for length, calls, call_tokens in zip(piece.lengths, piece.calls, piece.call_tokens):
+            end = start + length
+            chains.append(Chain.trusted(tokens[start:end], loss[start:end], full_logprobs[start:end],
+                                        full_versions[start:end], None, calls, call_tokens,
+                                        piece.versions if len(piece.lengths) == 1 else None))
+            start = end
+        piece.values["chains"] = tuple(chains)
+        msg = _new(Result)
+        object.__setattr__(msg, "__dict__", piece.values)
+        out[i] = msg
+    return out
+
+
+def _batch_loss(pieces: list[_Piece], total: int) -> np.ndarray:
+    """The loss masks of `pieces`, end to end: their bit bytes unpacked at once, each one's
+    padding bits (past its tokens, to its last byte's end) left out."""
+    bits = np.unpackbits(np.frombuffer(b"".join([p.bits for p in pieces]), _U1), None, None, "little")
+    if not any(p.total & 7 for p in pieces):
+        return bits[:total].view(bool)
+    shifts, shift = [], 0  # padding bits before each piece's first bit
+    for p in pieces:
+        shifts.append(shift)
+        shift += -p.total & 7
+    at = np.arange(total) + np.repeat(np.asarray(shifts, np.intp), [p.total for p in pieces])
+    return bits[at].view(bool)
+
+
+def _result_piece(data: Any, max_bytes: int) -> _Piece | None:
+    """A result entry's fields, through the compiled struct, and its chains' wire pieces with
+    every check of `_chain_parts` that needs no token array; None for anything else: another
+    kind, sampling support, anything `decode` or `check_result` would refuse."""
+    if type(data) is not bytes or len(data) > max_bytes:
+        return None
+    try:
+        decoded = _DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None  # refused: `decode` of it alone names the field
+    if type(decoded) is not _RESULT_WIRE:
+        return None
+    values = msgspec.structs.asdict(decoded)
+    del values["v"]
+    d = values["chains"]
+    if type(d) is not dict or d.keys() != _CHAIN_KEYS or d["support"] is not None or _negative_duration(values["timings"]):
+        return None
+    lengths, calls, call_tokens, tokens, bits, logprobs, versions, runs = _CHAIN_GET(d)
+    ints = (_ints(lengths, "i"), _ints(calls, "i"), _ints(call_tokens, "q"), _ints(versions, "i"), _ints(runs, "i"))
+    raw = (tokens, bits, logprobs)
+    if not all(type(x) is bytes for x in raw) or len(tokens) & 3 or len(logprobs) & 3 or any(x is None for x in ints):
+        return None
+    piece = _Piece(values, ints, raw, len(tokens) >> 2)  # type: ignore[arg-type]
+    return piece if _piece_checked(piece) else None
+
+
+def _piece_checked(p: _Piece) -> bool:
+    """Whether `p`'s per-chain numbers pass `_chain_parts`'s checks (the loss tokens counted
+    from the mask's bits)."""
+    n, total = len(p.lengths), p.total
+    if len(p.calls) != n or len(p.call_tokens) != n or sum(p.lengths) != total:
+        return False
+    if n and (min(p.lengths) < 0 or min(p.calls) < 1 or any(t < n_ for t, n_ in zip(p.call_tokens, p.lengths))):
+        return False
+    if len(p.bits) != (total + 7) >> 3 or (total & 7 and p.bits[-1] >> (total & 7)):
+        return False
+    n_loss = int.from_bytes(p.bits, "little").bit_count()
+    if len(p.logprobs) >> 2 != n_loss or len(p.runs) != len(p.versions) or sum(p.runs) != n_loss:
+        return False
+    return not ((p.versions and min(p.versions) < 0) or (p.runs and min(p.runs) < 1))
+
+
+def _ints(data: Any, code: str) -> tuple[int, ...] | None:
+    """Packed little-endian ints (`struct` code `code`), or None when `data` is not such bytes."""
+    size = _INT_SIZES[code]
+    if type(data) is not bytes or len(data) % size:
+        return None
+    unpacker = _UNPACKERS.get((code, len(data)))
+    if unpacker is None:
+        unpacker = struct.Struct(f"<{len(data) // size}{code}")
+        if len(data) <= 4 * size:  # the usual counts of chains and version runs, kept
+            _UNPACKERS[code, len(data)] = unpacker
+    return unpacker.unpack(data)
+
+
+_INT_SIZES = {"i": 4, "q": 8}
+_UNPACKERS: dict[tuple[str, int], struct.Struct] = {}
 
 
 def result_fields(shard: int, epoch: int, group: int, sample: int, attempt: int, session: Session,

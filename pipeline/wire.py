@@ -735,11 +735,12 @@ class Record(_ShardMessage):
 # the two on valid and damaged messages), and every refusal reads as it always did.
 
 
-def _compile(cls: type[Message]) -> type[msgspec.Struct]:
+def _compile(cls: type[Message], **wire_types: Any) -> type[msgspec.Struct]:
+    """The struct of kind `cls`; `wire_types`: types of fields in place of their checker's."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     fields: list[tuple] = [("v", Literal[SCHEMA_VERSION])]
     for name, check in cls.SPEC.items():
-        wire_type = _TYPES.get(check, Any)
+        wire_type = wire_types.get(name, _TYPES.get(check, Any))
         if name not in cls.ADDED:
             fields.append((name, wire_type))
         elif defaults[name] is dataclasses.MISSING:
@@ -999,29 +1000,27 @@ def _negative_duration(timings: Mapping[str, float]) -> bool:
 
 # ---------------------------------------------------------------- results, a read batch at once
 # The admission consumer decodes every result once, on input, a read batch at a time:
-# `decode_results` takes each entry's bytes through the compiled struct and checks its chains'
-# per-chain numbers in Python (`_result_piece`), then runs every per-token check (token ids,
+# `decode_results` takes each entry's bytes through a struct of the compiled schema's whose
+# chains are typed too (packed bytes, no support: `_CHAINS_WIRE`), checks the chains' per-chain
+# numbers in Python (`_result_piece`), then runs every per-token check (token ids,
 # the vocabulary, log-probs) once over the batch's arrays joined, and expands the loss tokens'
 # log-probs and versions once for the whole batch; each chain is a slice of those arrays.
 # It takes only what `decode` + `check_result` accept, with the same values: anything either
 # would refuse (or that it does not handle: another kind, sampling support) is left to them.
 
-_RESULT_WIRE = _STRUCTS[Result]
+# a Result whose chains are packed bytes without support, the fields checked in C as the
+# compiled struct checks them: anything else is refused here and left to `decode`
+_CHAINS_WIRE = msgspec.defstruct("ChainsWire", [*((name, bytes) for name in _CHAIN_DTYPES), ("support", None)],
+                                 forbid_unknown_fields=True)
+_RESULTS_WIRE = _compile(Result, chains=_CHAINS_WIRE)
+# tagged by "k", as `_DECODER` (one struct alone would take a message without its tag)
+_RESULT_OR_ANY_KIND: Any = Union[tuple([_RESULTS_WIRE, *(s for s, cls in _COMPILED.items() if cls is not Result)])]
+_RESULTS_DECODER = msgspec.msgpack.Decoder(_RESULT_OR_ANY_KIND)
 _U1 = np.dtype("|u1")
-
-
-class _Piece:
-    """One entry's decoded result fields and its chains' checked wire pieces."""
-
-    __slots__ = ("values", "lengths", "calls", "call_tokens", "tokens", "bits", "logprobs",
-                 "versions", "runs", "total")
-
-    def __init__(self, values: dict[str, Any], ints: tuple[tuple[int, ...], ...], raw: tuple[bytes, bytes, bytes],
-                 total: int) -> None:
-        self.values = values
-        self.lengths, self.calls, self.call_tokens, self.versions, self.runs = ints
-        self.tokens, self.bits, self.logprobs = raw
-        self.total = total
+# an entry's pieces: its fields but the chains, per chain lengths, calls and call tokens, the
+# loss tokens' versions and their runs, the token, loss bit and log-prob bytes, its tokens
+_Piece = tuple[dict[str, Any], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+               tuple[int, ...], bytes, bytes, bytes, int]
 
 
 def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
@@ -1034,8 +1033,8 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
     if not taken:
         return out
     pieces = [piece for _, piece in taken]
-    tokens = np.frombuffer(bytearray().join([p.tokens for p in pieces]), TOKEN_DTYPE)
-    logprobs = np.frombuffer(b"".join([p.logprobs for p in pieces]), LOGPROB_DTYPE)
+    tokens = np.frombuffer(bytearray().join([p[6] for p in pieces]), TOKEN_DTYPE)
+    logprobs = np.frombuffer(b"".join([p[8] for p in pieces]), LOGPROB_DTYPE)
     if len(tokens) and (_MIN(tokens, axis=None) < 0 or (vocab is not None and _MAX(tokens, axis=None) >= vocab)):
         return out  # one refuses: each decoded alone
     if len(logprobs) and not finite_logprobs(logprobs):
@@ -1044,23 +1043,23 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
     full_logprobs = np.zeros(len(tokens), LOGPROB_DTYPE)
     full_logprobs[loss] = logprobs
     full_versions = np.full(len(tokens), NO_VERSION, VERSION_DTYPE)
-    versions = [v for p in pieces for v in p.versions]
+    versions = [v for p in pieces for v in p[4]]
     if len(set(versions)) == 1:  # one version served every loss token of the batch (usually)
         full_versions[loss] = versions[0]
     elif versions:
-        full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), [r for p in pieces for r in p.runs])
+        full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), [r for p in pieces for r in p[5]])
     start = 0
-    for i, piece in taken:
+    for i, (values, lengths, calls, call_tokens, served, *_) in taken:
         chains = []
-        for length, calls, call_tokens in zip(piece.lengths, piece.calls, piece.call_tokens):
+        for length, n_calls, n_tokens in zip(lengths, calls, call_tokens):
             end = start + length
             chains.append(Chain.trusted(tokens[start:end], loss[start:end], full_logprobs[start:end],
-                                        full_versions[start:end], None, calls, call_tokens,
-                                        piece.versions if len(piece.lengths) == 1 else None))
+                                        full_versions[start:end], None, n_calls, n_tokens,
+                                        served if len(lengths) == 1 else None))
             start = end
-        piece.values["chains"] = tuple(chains)
+        values["chains"] = tuple(chains)
         msg = _new(Result)
-        object.__setattr__(msg, "__dict__", piece.values)
+        object.__setattr__(msg, "__dict__", values)
         out[i] = msg
     return out
 
@@ -1068,66 +1067,61 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
 def _batch_loss(pieces: list[_Piece], total: int) -> np.ndarray:
     """The loss masks of `pieces`, end to end: their bit bytes unpacked at once, each one's
     padding bits (past its tokens, to its last byte's end) left out."""
-    bits = np.unpackbits(np.frombuffer(b"".join([p.bits for p in pieces]), _U1), None, None, "little")
-    if not any(p.total & 7 for p in pieces):
+    bits = np.unpackbits(np.frombuffer(b"".join([p[7] for p in pieces]), _U1), None, None, "little")
+    if not any(p[9] & 7 for p in pieces):
         return bits[:total].view(bool)
     shifts, shift = [], 0  # padding bits before each piece's first bit
     for p in pieces:
         shifts.append(shift)
-        shift += -p.total & 7
-    at = np.arange(total) + np.repeat(np.asarray(shifts, np.intp), [p.total for p in pieces])
+        shift += -p[9] & 7
+    at = np.arange(total) + np.repeat(np.asarray(shifts, np.intp), [p[9] for p in pieces])
     return bits[at].view(bool)
 
 
 def _result_piece(data: Any, max_bytes: int) -> _Piece | None:
-    """A result entry's fields, through the compiled struct, and its chains' wire pieces with
-    every check of `_chain_parts` that needs no token array; None for anything else: another
-    kind, sampling support, anything `decode` or `check_result` would refuse."""
+    """A result entry's pieces (`_Piece`), its fields checked by the struct and its chains' per
+    chain numbers as `_chain_parts` checks them (the loss tokens counted from the mask's
+    bits); None for anything else: another kind, sampling support, anything `decode` or
+    `check_result` would refuse."""
     if type(data) is not bytes or len(data) > max_bytes:
         return None
     try:
-        decoded = _DECODER.decode(data)
+        decoded = _RESULTS_DECODER.decode(data)
     except msgspec.DecodeError:
         return None  # refused: `decode` of it alone names the field
-    if type(decoded) is not _RESULT_WIRE:
+    if type(decoded) is not _RESULTS_WIRE:
         return None
     values = msgspec.structs.asdict(decoded)
     del values["v"]
-    d = values["chains"]
-    if type(d) is not dict or d.keys() != _CHAIN_KEYS or d["support"] is not None or _negative_duration(values["timings"]):
+    c = values["chains"]
+    tokens, bits = c.tokens, c.loss_mask
+    total = len(tokens) >> 2
+    if len(tokens) & 3 or len(c.logprobs) & 3 or len(bits) != (total + 7) >> 3 or _negative_duration(values["timings"]):
         return None
-    lengths, calls, call_tokens, tokens, bits, logprobs, versions, runs = _CHAIN_GET(d)
-    ints = (_ints(lengths, "i"), _ints(calls, "i"), _ints(call_tokens, "q"), _ints(versions, "i"), _ints(runs, "i"))
-    raw = (tokens, bits, logprobs)
-    if not all(type(x) is bytes for x in raw) or len(tokens) & 3 or len(logprobs) & 3 or any(x is None for x in ints):
+    if total & 7 and bits[-1] >> (total & 7):
         return None
-    piece = _Piece(values, ints, raw, len(tokens) >> 2)  # type: ignore[arg-type]
-    return piece if _piece_checked(piece) else None
-
-
-def _piece_checked(p: _Piece) -> bool:
-    """Whether `p`'s per-chain numbers pass `_chain_parts`'s checks (the loss tokens counted
-    from the mask's bits)."""
-    n, total = len(p.lengths), p.total
-    if len(p.calls) != n or len(p.call_tokens) != n or sum(p.lengths) != total:
-        return False
-    if n and (min(p.lengths) < 0 or min(p.calls) < 1 or any(t < n_ for t, n_ in zip(p.call_tokens, p.lengths))):
-        return False
-    if len(p.bits) != (total + 7) >> 3 or (total & 7 and p.bits[-1] >> (total & 7)):
-        return False
-    n_loss = int.from_bytes(p.bits, "little").bit_count()
-    if len(p.logprobs) >> 2 != n_loss or len(p.runs) != len(p.versions) or sum(p.runs) != n_loss:
-        return False
-    return not ((p.versions and min(p.versions) < 0) or (p.runs and min(p.runs) < 1))
-
-
-def _ints(data: Any, code: str) -> tuple[int, ...] | None:
-    """Packed little-endian ints (`struct` code `code`), or None when `data` is not such bytes."""
-    size = _INT_SIZES[code]
-    if type(data) is not bytes or len(data) % size:
+    n_loss = int.from_bytes(bits, "little").bit_count()
+    lengths, calls, call_tokens = _ints(c.lengths, "i"), _ints(c.calls, "i"), _ints(c.call_tokens, "q")
+    served, runs = _ints(c.versions, "i"), _ints(c.version_runs, "i")
+    if (lengths is None or calls is None or call_tokens is None or served is None or runs is None
+            or len(c.logprobs) >> 2 != n_loss or sum(lengths) != total or len(runs) != len(served)
+            or sum(runs) != n_loss or (served and min(served) < 0) or (runs and min(runs) < 1)):
         return None
+    if len(lengths) == 1:  # one chain (usually)
+        ok = len(calls) == len(call_tokens) == 1 and calls[0] >= 1 and call_tokens[0] >= total
+    else:
+        ok = len(calls) == len(call_tokens) == len(lengths) and (not lengths or (
+            min(lengths) >= 0 and min(calls) >= 1 and all(t >= n for t, n in zip(call_tokens, lengths))))
+    return (values, lengths, calls, call_tokens, served, runs, tokens, bits, c.logprobs, total) if ok else None
+
+
+def _ints(data: bytes, code: str) -> tuple[int, ...] | None:
+    """Packed little-endian ints (`struct` code `code`), or None when not a whole number of them."""
     unpacker = _UNPACKERS.get((code, len(data)))
     if unpacker is None:
+        size = _INT_SIZES[code]
+        if len(data) % size:
+            return None
         unpacker = struct.Struct(f"<{len(data) // size}{code}")
         if len(data) <= 4 * size:  # the usual counts of chains and version runs, kept
             _UNPACKERS[code, len(data)] = unpacker

@@ -324,17 +324,24 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
         full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
         full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
+    return _cut_chains((tokens, loss, full_logprobs, full_versions, full_support), lengths, calls, call_tokens,
+                       versions)
+
+
+def _cut_chains(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None],
+                lengths: Sequence[int], calls: Sequence[int], call_tokens: Sequence[int],
+                served: Sequence[int]) -> tuple[Chain, ...]:
+    """The chains of one result's per-token arrays (tokens, loss mask, log-probs, versions,
+    support), cut at `lengths`; `served`: the versions of its loss tokens."""
+    tokens, loss, logprobs, versions, support = arrays
     if len(lengths) == 1:  # one chain (usually): the arrays as they are
-        return (Chain.trusted(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0],
-                              versions),)
+        return (Chain.trusted(tokens, loss, logprobs, versions, support, calls[0], call_tokens[0], served),)
     out = []
     start = 0
     for i, length in enumerate(lengths):
         end = start + length
-        out.append(Chain.trusted(tokens[start:end], loss[start:end], full_logprobs[start:end],
-                                 full_versions[start:end],
-                                 None if full_support is None else full_support[start:end],
-                                 calls[i], call_tokens[i]))
+        out.append(Chain.trusted(tokens[start:end], loss[start:end], logprobs[start:end], versions[start:end],
+                                 None if support is None else support[start:end], calls[i], call_tokens[i]))
         start = end
     return tuple(out)
 
@@ -1004,7 +1011,9 @@ def _negative_duration(timings: Mapping[str, float]) -> bool:
 # chains are typed too (packed bytes, no support: `_CHAINS_WIRE`), checks the chains' per-chain
 # numbers in Python (`_result_piece`), then runs every per-token check (token ids,
 # the vocabulary, log-probs) once over the batch's arrays joined, and expands the loss tokens'
-# log-probs and versions once for the whole batch; each chain is a slice of those arrays.
+# log-probs and versions once for the whole batch; each result gets its own copy of its
+# span of those arrays (a held result keeps no other result's tokens alive), its chains
+# cut from it as `_expand_chains` cuts them.
 # It takes only what `decode` + `check_result` accept, with the same values: anything either
 # would refuse (or that it does not handle: another kind, sampling support) is left to them.
 
@@ -1033,7 +1042,7 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
     if not taken:
         return out
     pieces = [piece for _, piece in taken]
-    tokens = np.frombuffer(bytearray().join([p[6] for p in pieces]), TOKEN_DTYPE)
+    tokens = np.frombuffer(b"".join([p[6] for p in pieces]), TOKEN_DTYPE)
     logprobs = np.frombuffer(b"".join([p[8] for p in pieces]), LOGPROB_DTYPE)
     if len(tokens) and (_MIN(tokens, axis=None) < 0 or (vocab is not None and _MAX(tokens, axis=None) >= vocab)):
         return out  # one refuses: each decoded alone
@@ -1049,15 +1058,13 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
     elif versions:
         full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), [r for p in pieces for r in p[5]])
     start = 0
-    for i, (values, lengths, calls, call_tokens, served, *_) in taken:
-        chains = []
-        for length, n_calls, n_tokens in zip(lengths, calls, call_tokens):
-            end = start + length
-            chains.append(Chain.trusted(tokens[start:end], loss[start:end], full_logprobs[start:end],
-                                        full_versions[start:end], None, n_calls, n_tokens,
-                                        served if len(lengths) == 1 else None))
-            start = end
-        values["chains"] = tuple(chains)
+    for i, (values, lengths, calls, call_tokens, served, *_, total) in taken:
+        end = start + total
+        # each result's own arrays: a held rollout keeps no other result's tokens alive
+        arrays = (tokens[start:end].copy(), loss[start:end].copy(), full_logprobs[start:end].copy(),
+                  full_versions[start:end].copy(), None)
+        values["chains"] = _cut_chains(arrays, lengths, calls, call_tokens, served)
+        start = end
         msg = _new(Result)
         object.__setattr__(msg, "__dict__", values)
         out[i] = msg

@@ -113,3 +113,18 @@ def test_damaged_messages_are_taken_only_as_decoded_alone(data):
     cls = data.draw(st.sampled_from(KINDS), label="kind")
     trees = [damaged(wire.Result, data), damaged(cls, data)]
     check_batch([msgpack.packb(tree, use_bin_type=True) for tree in trees])
+
+
+def test_each_result_holds_only_its_own_arrays():
+    """A held rollout keeps its own tokens alive, not its read batch's."""
+    datas = [result(s, [(6, 4, 0), (9, 3, 1)] if s % 2 else [(6, 4, 0)], seed=s) for s in range(4)]
+    results = check_batch(datas)
+    for r in results:
+        assert r is not None
+        owners = {id(getattr(c, name).base if getattr(c, name).base is not None else getattr(c, name))
+                  for c in r.chains for name in ("tokens",)}
+        assert len(owners) == 1
+        for name in ("tokens", "loss_mask", "logprobs", "versions"):
+            whole = getattr(r.chains[0], name)
+            whole = whole if whole.base is None else whole.base
+            assert whole.size == sum(len(c) for c in r.chains)

@@ -356,9 +356,10 @@ class Admission:
     def _transitions(self, entries: Sequence[tuple[str, bytes, dict | None]]) -> int:
         txn = _Txn(self.r)
         done = 0
+        results = self._results(entries)
         for i, (stream, entry_id, fields) in enumerate(entries):
             try:
-                self._input(txn, stream, entry_id, fields)
+                self._input(txn, stream, entry_id, fields, results[i])
             except ProtocolError as exc:
                 done += self._commit(txn)
                 self._rebuild()  # the refused event may have touched the machine
@@ -371,17 +372,31 @@ class Admission:
                 txn = _Txn(self.r)
         return done + self._commit(txn)
 
-    def _input(self, txn: _Txn, stream: str, entry_id: bytes, fields: dict | None) -> None:
-        """One input entry: decode, apply, acknowledge (all staged in `txn`). A
-        ProtocolError leaves nothing of this entry staged."""
+    def _results(self, entries: Sequence[tuple[str, bytes, dict | None]]) -> list[wire.Result | None]:
+        """The results of the entries of `results:{shard}` among `entries`, decoded and checked
+        (this run's vocabulary) together (`wire.decode_results`); None for every other entry
+        and for any result that path leaves to `_input` (which decodes it alone: the message,
+        or the refusal with its field and reason)."""
+        results = self.keys.results(self.shard)
+        datas = [fields.get(wire.FIELD) if stream == results and type(fields) is dict else None
+                 for stream, _, fields in entries]
+        return wire.decode_results(datas, vocab=self.config.vocab, max_bytes=self.config.max_message_bytes)
+
+    def _input(self, txn: _Txn, stream: str, entry_id: bytes, fields: dict | None,
+               result: wire.Result | None = None) -> None:
+        """One input entry: decode, apply, acknowledge (all staged in `txn`); `result`: its
+        result, already decoded and checked (`_results`). A ProtocolError leaves nothing of
+        this entry staged."""
         if not fields:  # deleted while pending: nothing left to apply
             txn.ack(stream, self.group, entry_id)
             return
         try:
-            msg = wire.from_fields(fields, self._expect[stream], max_bytes=self.config.max_message_bytes)
+            msg: wire.Message | None = result
+            if msg is None:
+                msg = wire.from_fields(fields, self._expect[stream], max_bytes=self.config.max_message_bytes)
+                if isinstance(msg, wire.Result):  # this run's limits: vocabulary
+                    wire.check_result(msg, vocab=self.config.vocab)
             payload = fields[wire.FIELD]
-            if isinstance(msg, wire.Result):  # this run's limits: vocabulary
-                wire.check_result(msg, vocab=self.config.vocab)
             event = self._event(msg)
             if isinstance(event, Finish):  # a chain longer than a packed row is cut to it
                 msg, payload, event = self._fit_width(txn, msg, payload, event)

@@ -27,7 +27,7 @@ import enum
 import math
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import itemgetter
@@ -324,17 +324,24 @@ def _expand_chains(tokens: np.ndarray, lengths: list[int], calls: list[int], cal
         full_support = np.full((total, support.shape[1]), -1, TOKEN_DTYPE)
         full_support[loss] = support
     tokens = tokens.copy()  # not a view of the message's bytes
+    return _cut_chains((tokens, loss, full_logprobs, full_versions, full_support), lengths, calls, call_tokens,
+                       versions)
+
+
+def _cut_chains(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None],
+                lengths: Sequence[int], calls: Sequence[int], call_tokens: Sequence[int],
+                served: Sequence[int]) -> tuple[Chain, ...]:
+    """The chains of one result's per-token arrays (tokens, loss mask, log-probs, versions,
+    support), cut at `lengths`; `served`: the versions of its loss tokens."""
+    tokens, loss, logprobs, versions, support = arrays
     if len(lengths) == 1:  # one chain (usually): the arrays as they are
-        return (Chain.trusted(tokens, loss, full_logprobs, full_versions, full_support, calls[0], call_tokens[0],
-                              versions),)
+        return (Chain.trusted(tokens, loss, logprobs, versions, support, calls[0], call_tokens[0], served),)
     out = []
     start = 0
     for i, length in enumerate(lengths):
         end = start + length
-        out.append(Chain.trusted(tokens[start:end], loss[start:end], full_logprobs[start:end],
-                                 full_versions[start:end],
-                                 None if full_support is None else full_support[start:end],
-                                 calls[i], call_tokens[i]))
+        out.append(Chain.trusted(tokens[start:end], loss[start:end], logprobs[start:end], versions[start:end],
+                                 None if support is None else support[start:end], calls[i], call_tokens[i]))
         start = end
     return tuple(out)
 
@@ -735,11 +742,12 @@ class Record(_ShardMessage):
 # the two on valid and damaged messages), and every refusal reads as it always did.
 
 
-def _compile(cls: type[Message]) -> type[msgspec.Struct]:
+def _compile(cls: type[Message], **wire_types: Any) -> type[msgspec.Struct]:
+    """The struct of kind `cls`; `wire_types`: types of fields in place of their checker's."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     fields: list[tuple] = [("v", Literal[SCHEMA_VERSION])]
     for name, check in cls.SPEC.items():
-        wire_type = _TYPES.get(check, Any)
+        wire_type = wire_types.get(name, _TYPES.get(check, Any))
         if name not in cls.ADDED:
             fields.append((name, wire_type))
         elif defaults[name] is dataclasses.MISSING:
@@ -985,10 +993,150 @@ def check_result(result: Result, *, vocab: int | None = None) -> None:
         if chain.support is not None and chain.support.size and int(chain.support.max()) >= vocab:
             raise SchemaError("chains.support", f"token id {int(chain.support.max())} is beyond the "
                               f"vocabulary of {vocab} (the config's vocab)")
-    started, finished = result.timings.get("started"), result.timings.get("finished")
-    if started is not None and finished is not None and finished < started:
+    if _negative_duration(result.timings):
+        started, finished = result.timings["started"], result.timings["finished"]
         raise SchemaError("timings.finished", f"{finished} is before timings.started {started}: "
                           "a negative duration")
+
+
+def _negative_duration(timings: Mapping[str, float]) -> bool:
+    """Whether `timings.finished` is before `timings.started` (both given)."""
+    started, finished = timings.get("started"), timings.get("finished")
+    return started is not None and finished is not None and finished < started
+
+
+# ---------------------------------------------------------------- results, a read batch at once
+# The admission consumer decodes every result once, on input, a read batch at a time:
+# `decode_results` takes each entry's bytes through a struct of the compiled schema's whose
+# chains are typed too (packed bytes, no support: `_CHAINS_WIRE`), checks the chains' per-chain
+# numbers in Python (`_result_piece`), then runs every per-token check (token ids,
+# the vocabulary, log-probs) once over the batch's arrays joined, and expands the loss tokens'
+# log-probs and versions once for the whole batch; each result gets its own copy of its
+# span of those arrays (a held result keeps no other result's tokens alive), its chains
+# cut from it as `_expand_chains` cuts them.
+# It takes only what `decode` + `check_result` accept, with the same values: anything either
+# would refuse (or that it does not handle: another kind, sampling support) is left to them.
+
+# a Result whose chains are packed bytes without support, the fields checked in C as the
+# compiled struct checks them: anything else is refused here and left to `decode`
+_CHAINS_WIRE = msgspec.defstruct("ChainsWire", [*((name, bytes) for name in _CHAIN_DTYPES), ("support", None)],
+                                 forbid_unknown_fields=True)
+_RESULTS_WIRE = _compile(Result, chains=_CHAINS_WIRE)
+# tagged by "k", as `_DECODER` (one struct alone would take a message without its tag)
+_RESULT_OR_ANY_KIND: Any = Union[tuple([_RESULTS_WIRE, *(s for s, cls in _COMPILED.items() if cls is not Result)])]
+_RESULTS_DECODER = msgspec.msgpack.Decoder(_RESULT_OR_ANY_KIND)
+_U1 = np.dtype("|u1")
+# an entry's pieces: its fields but the chains, per chain lengths, calls and call tokens, the
+# loss tokens' versions and their runs, the token, loss bit and log-prob bytes, its tokens
+_Piece = tuple[dict[str, Any], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+               tuple[int, ...], bytes, bytes, bytes, int]
+
+
+def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
+                   max_bytes: int = MAX_MESSAGE_BYTES) -> list[Result | None]:
+    """`decode(data, Result)` of each of several entries' bytes, each passing
+    `check_result(vocab=vocab)`, decoded and checked together (see above); None for an entry
+    this does not take: `decode` and `check_result` of it alone give its message or refusal."""
+    out: list[Result | None] = [None] * len(datas)
+    taken = [(i, piece) for i, data in enumerate(datas) if (piece := _result_piece(data, max_bytes)) is not None]
+    if not taken:
+        return out
+    pieces = [piece for _, piece in taken]
+    tokens = np.frombuffer(b"".join([p[6] for p in pieces]), TOKEN_DTYPE)
+    logprobs = np.frombuffer(b"".join([p[8] for p in pieces]), LOGPROB_DTYPE)
+    if len(tokens) and (_MIN(tokens, axis=None) < 0 or (vocab is not None and _MAX(tokens, axis=None) >= vocab)):
+        return out  # one refuses: each decoded alone
+    if len(logprobs) and not finite_logprobs(logprobs):
+        return out
+    loss = _batch_loss(pieces, len(tokens))
+    full_logprobs = np.zeros(len(tokens), LOGPROB_DTYPE)
+    full_logprobs[loss] = logprobs
+    full_versions = np.full(len(tokens), NO_VERSION, VERSION_DTYPE)
+    versions = [v for p in pieces for v in p[4]]
+    if len(set(versions)) == 1:  # one version served every loss token of the batch (usually)
+        full_versions[loss] = versions[0]
+    elif versions:
+        full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), [r for p in pieces for r in p[5]])
+    start = 0
+    for i, (values, lengths, calls, call_tokens, served, *_, total) in taken:
+        end = start + total
+        # each result's own arrays: a held rollout keeps no other result's tokens alive
+        arrays = (tokens[start:end].copy(), loss[start:end].copy(), full_logprobs[start:end].copy(),
+                  full_versions[start:end].copy(), None)
+        values["chains"] = _cut_chains(arrays, lengths, calls, call_tokens, served)
+        start = end
+        msg = _new(Result)
+        object.__setattr__(msg, "__dict__", values)
+        out[i] = msg
+    return out
+
+
+def _batch_loss(pieces: list[_Piece], total: int) -> np.ndarray:
+    """The loss masks of `pieces`, end to end: their bit bytes unpacked at once, each one's
+    padding bits (past its tokens, to its last byte's end) left out."""
+    bits = np.unpackbits(np.frombuffer(b"".join([p[7] for p in pieces]), _U1), None, None, "little")
+    if not any(p[9] & 7 for p in pieces):
+        return bits[:total].view(bool)
+    shifts, shift = [], 0  # padding bits before each piece's first bit
+    for p in pieces:
+        shifts.append(shift)
+        shift += -p[9] & 7
+    at = np.arange(total) + np.repeat(np.asarray(shifts, np.intp), [p[9] for p in pieces])
+    return bits[at].view(bool)
+
+
+def _result_piece(data: Any, max_bytes: int) -> _Piece | None:
+    """A result entry's pieces (`_Piece`), its fields checked by the struct and its chains' per
+    chain numbers as `_chain_parts` checks them (the loss tokens counted from the mask's
+    bits); None for anything else: another kind, sampling support, anything `decode` or
+    `check_result` would refuse."""
+    if type(data) is not bytes or len(data) > max_bytes:
+        return None
+    try:
+        decoded = _RESULTS_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None  # refused: `decode` of it alone names the field
+    if type(decoded) is not _RESULTS_WIRE:
+        return None
+    values = msgspec.structs.asdict(decoded)
+    del values["v"]
+    c = values["chains"]
+    tokens, bits = c.tokens, c.loss_mask
+    total = len(tokens) >> 2
+    if len(tokens) & 3 or len(c.logprobs) & 3 or len(bits) != (total + 7) >> 3 or _negative_duration(values["timings"]):
+        return None
+    if total & 7 and bits[-1] >> (total & 7):
+        return None
+    n_loss = int.from_bytes(bits, "little").bit_count()
+    lengths, calls, call_tokens = _ints(c.lengths, "i"), _ints(c.calls, "i"), _ints(c.call_tokens, "q")
+    served, runs = _ints(c.versions, "i"), _ints(c.version_runs, "i")
+    if (lengths is None or calls is None or call_tokens is None or served is None or runs is None
+            or len(c.logprobs) >> 2 != n_loss or sum(lengths) != total or len(runs) != len(served)
+            or sum(runs) != n_loss or (served and min(served) < 0) or (runs and min(runs) < 1)):
+        return None
+    if len(lengths) == 1:  # one chain (usually)
+        ok = len(calls) == len(call_tokens) == 1 and calls[0] >= 1 and call_tokens[0] >= total
+    else:
+        ok = len(calls) == len(call_tokens) == len(lengths) and (not lengths or (
+            min(lengths) >= 0 and min(calls) >= 1 and all(t >= n for t, n in zip(call_tokens, lengths))))
+    return (values, lengths, calls, call_tokens, served, runs, tokens, bits, c.logprobs, total) if ok else None
+
+
+def _ints(data: bytes, code: str) -> tuple[int, ...] | None:
+    """Packed little-endian ints (`struct` code `code`), or None when not a whole number of them."""
+    unpacker = _UNPACKERS.get((code, len(data)))
+    if unpacker is None:
+        size = _INT_SIZES[code]
+        if len(data) % size:
+            return None
+        unpacker = struct.Struct(f"<{len(data) // size}{code}")
+        if len(data) <= 4 * size:  # the usual counts of chains and version runs, kept
+            _UNPACKERS[code, len(data)] = unpacker
+    return unpacker.unpack(data)
+
+
+_INT_SIZES = {"i": 4, "q": 8}
+_UNPACKERS: dict[tuple[str, int], struct.Struct] = {}
 
 
 def result_fields(shard: int, epoch: int, group: int, sample: int, attempt: int, session: Session,

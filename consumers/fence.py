@@ -35,11 +35,11 @@ from pathlib import Path
 
 import redis
 from redis.client import EMPTY_RESPONSE
-from redis.exceptions import ExecAbortError, ResponseError, WatchError
+from redis.exceptions import ResponseError, WatchError
 
 from pipeline.errors import CommandError
 from pipeline.keys import Keys
-from pipeline.redis_io import text
+from pipeline.redis_io import exec_replies, pool_connection, send_commands, text
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +127,8 @@ class Fence:
         conn, value = self._watched()
         try:
             self.check(value)
-            conn.send_packed_command(conn.pack_commands(
-                [("MULTI",), *commands, ("EXEC",), *self._watch_commands()]))
-            result = _exec_replies(conn, len(commands))
+            send_commands(conn, [("MULTI",), *commands, ("EXEC",), *self._watch_commands()])
+            result = exec_replies(conn, len(commands))
             conn.read_response()  # WATCH's OK
             self._value = conn.read_response()
         except BaseException:
@@ -149,7 +148,7 @@ class Fence:
         a fresh one (one round trip) when there is none."""
         if self._conn is not None:
             return self._conn, self._value
-        conn = _connection(self.r.connection_pool)
+        conn = pool_connection(self.r.connection_pool)
         self._conn = conn
         try:
             conn.send_packed_command(conn.pack_commands(self._watch_commands()))
@@ -188,28 +187,3 @@ class Fence:
 
     def renewed_now(self) -> None:
         self.renewed = time.monotonic()
-
-
-def _exec_replies(conn: redis.connection.Connection, n: int) -> list | None:
-    """The EXEC reply of a MULTI, `n` commands, EXEC just sent on `conn` (None: refused by
-    a WATCH); a command refused while queued raises its error, as redis-py does."""
-    errors: list[ResponseError] = []
-    for _ in range(n + 1):  # MULTI's OK, then QUEUED for each command
-        try:
-            conn.read_response()
-        except ResponseError as exc:
-            errors.append(exc)
-    try:
-        return conn.read_response()
-    except ExecAbortError:
-        if errors:
-            raise errors[0] from None
-        raise
-
-
-def _connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
-    """A connection of `pool`, taken out of it until released (redis-py 5.3 deprecated the
-    command name that earlier versions require)."""
-    if redis.VERSION >= (5, 3):
-        return pool.get_connection()
-    return pool.get_connection("WATCH")  # type: ignore[call-arg,unused-ignore]

@@ -59,11 +59,13 @@ def ensure_group(r: Client, stream: str, group: str, start: str = "0") -> bool:
     return True
 
 
-def read_group(r: Client, group: str, consumer: str, streams: Mapping[str, str], *,
+def read_group(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, str], *,
                count: int | None = None, block_ms: int | None = None) -> list[Entry]:
     """XREADGROUP: from each stream, its entries after the given id (`>`: new ones; `0`: this
-    consumer's pending ones), in the order the server returns them."""
-    return _entries(r.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms))
+    consumer's pending ones), in the order the server returns them (its reply read raw:
+    hiredis's lists, no redis-py callbacks)."""
+    [taken] = _replies(r, [_read_group_args(group, consumer, streams, count, block_ms)])
+    return _raw_entries(taken)
 
 
 def read_group_and_follow(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, str],
@@ -71,21 +73,31 @@ def read_group_and_follow(r: redis.Redis, group: str, consumer: str, streams: Ma
                           block_ms: int | None = None) -> tuple[list[Entry], list[Entry]]:
     """`read_group`, then, in the same write, XREAD of the broadcast streams `follow` after
     their given ids, which Redis runs once the first read returns: what they hold as of that
-    moment. The replies are read raw (hiredis's lists, no redis-py callbacks)."""
+    moment."""
+    taken, followed = _replies(r, [_read_group_args(group, consumer, streams, count, block_ms),
+                                   ("XREAD", "STREAMS", *follow, *follow.values())])
+    return _raw_entries(taken), _raw_entries(followed)
+
+
+def _read_group_args(group: str, consumer: str, streams: Mapping[str, str], count: int | None,
+                     block_ms: int | None) -> tuple:
     options = [*(("COUNT", count) if count is not None else ()), *(("BLOCK", block_ms) if block_ms is not None else ())]
+    return ("XREADGROUP", "GROUP", group, consumer, *options, "STREAMS", *streams, *streams.values())
+
+
+def _replies(r: redis.Redis, commands: Sequence[tuple]) -> list:
+    """The raw replies of `commands`, written at once on a connection of `r`'s pool (an
+    error reply raises; so does a lost connection, which is closed)."""
     pool = r.connection_pool
     conn = pool_connection(pool)
     try:
-        send_commands(conn, [("XREADGROUP", "GROUP", group, consumer, *options, "STREAMS", *streams, *streams.values()),
-                             ("XREAD", "STREAMS", *follow, *follow.values())])
-        taken = conn.read_response()
-        followed = conn.read_response()
+        send_commands(conn, commands)
+        return [conn.read_response() for _ in commands]
     except BaseException:
         conn.disconnect()
         raise
     finally:
         pool.release(conn)
-    return _raw_entries(taken), _raw_entries(followed)
 
 
 def _raw_entries(reply: Any) -> list[Entry]:

@@ -106,6 +106,8 @@ from pipeline.scheduler import (
     SampleKey,
     Submit,
     Tick,
+    member,
+    parse_member,
 )
 from pipeline.session_metrics import session_metrics
 from pipeline.sessions import Status
@@ -130,15 +132,6 @@ DEAD_MAXLEN = 10_000
 REF = b"@"
 """A held value that starts with this is `REF` + the id of the result's entry of
 `results:{shard}` (a payload is a msgpack map, which never starts with it)."""
-
-
-def member(key: SampleKey) -> str:
-    """The name of one attempt in `held:{shard}` and `cancelled:{shard}`."""
-    return f"{key.epoch}:{key.group}:{key.sample}:{key.attempt}"
-
-
-def parse_member(name: bytes | str) -> SampleKey:
-    return SampleKey(*(int(x) for x in text(name).split(":")))
 
 
 class _Txn:

@@ -151,7 +151,7 @@ class Fence:
         conn = pool_connection(self.r.connection_pool)
         self._conn = conn
         try:
-            conn.send_packed_command(conn.pack_commands(self._watch_commands()))
+            send_commands(conn, self._watch_commands())
             conn.read_response()
             self._value = conn.read_response()
         except BaseException:

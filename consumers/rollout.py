@@ -92,6 +92,7 @@ from pipeline.redis_io import (
     text,
     transaction,
 )
+from pipeline.scheduler import SampleKey, member, parse_member
 from pipeline.sessions import Session, SessionRequest, Status, is_async_source, runs_inline
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ CANCEL_WAIT_S = 5.0
 
 
 def _member(work: wire.Work) -> str:
-    return f"{work.epoch}:{work.group}:{work.sample}:{work.attempt}"
+    return member(SampleKey(work.epoch, work.group, work.sample, work.attempt))
 
 
 def _ident(msg: wire.Work | wire.Cancel) -> tuple[int, int, int, int, int]:
@@ -130,13 +131,13 @@ class _Cancels:
         """A shard's set as read now (members with their scores)."""
         self.shards.add(shard)
         for name, score in members:
-            parts = text(name).split(":")
-            if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            try:
+                key = parse_member(name)
+            except (ValueError, TypeError):
                 log.warning("ignored %r in the cancelled set of shard %d: not epoch:group:sample:attempt",
                             text(name), shard)
                 continue
-            epoch, group, sample, attempt = map(int, parts)
-            self._known.setdefault((shard, epoch, group, sample, attempt), score)
+            self._known.setdefault((shard, key.epoch, key.group, key.sample, key.attempt), score)
 
     def forget_before(self, when: float) -> None:
         """Forget the cancels made before `when` (seconds)."""

@@ -217,22 +217,39 @@ def transaction(r: redis.Redis, commands: Sequence[tuple]) -> list:
     response callbacks). A command's error raises, as redis-py's transaction pipeline raises
     it (the first), and so does a lost connection, which is closed (the transaction then may
     or may not have applied: the caller knows how to find out)."""
-    pool = r.connection_pool
-    conn = pool_connection(pool)
-    try:
+    with _borrowed(r) as conn:
         send_commands(conn, [("MULTI",), *commands, ("EXEC",)])
         replies = exec_replies(conn, len(commands))
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
     if replies is None:
         raise redis.exceptions.WatchError("the transaction was refused by a WATCH")
     for reply in replies:
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
     return replies
+
+
+def raw_replies(r: redis.Redis, commands: Sequence[tuple]) -> list:
+    """The replies of `commands`, written at once on a connection of `r`'s pool, as Redis
+    sent them (no response callbacks); an error reply raises, and so does a lost connection,
+    which is closed."""
+    with _borrowed(r) as conn:
+        send_commands(conn, commands)
+        return [conn.read_response() for _ in commands]
+
+
+@contextlib.contextmanager
+def _borrowed(r: redis.Redis) -> Iterator[redis.connection.Connection]:
+    """A connection of `r`'s pool for a few commands written at once: back to the pool after,
+    closed first if anything failed (its replies may be half read)."""
+    pool = r.connection_pool
+    conn = pool_connection(pool)
+    try:
+        yield conn
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
 
 
 def send_commands(conn: redis.connection.Connection, commands: Sequence[tuple]) -> None:

@@ -73,6 +73,17 @@ class SampleKey:
     attempt: int
 
 
+def member(key: SampleKey) -> str:
+    """The name of one attempt in `held:{shard}` and `cancelled:{shard}`."""
+    return f"{key.epoch}:{key.group}:{key.sample}:{key.attempt}"
+
+
+def parse_member(name: bytes | str) -> SampleKey:
+    """The attempt `member` names (ValueError or TypeError when `name` names none)."""
+    text = name.decode() if isinstance(name, bytes) else name
+    return SampleKey(*(int(x) for x in text.split(":")))
+
+
 class SchedulerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What one trainer call consumed and what it cost.
 

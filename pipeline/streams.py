@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import redis
 
 from pipeline import wire
-from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, pool_connection, send_commands, text
+from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, raw_replies, text
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def read_group(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, 
     """XREADGROUP: from each stream, its entries after the given id (`>`: new ones; `0`: this
     consumer's pending ones), in the order the server returns them (its reply read raw:
     hiredis's lists, no redis-py callbacks)."""
-    [taken] = _replies(r, [_read_group_args(group, consumer, streams, count, block_ms)])
+    [taken] = raw_replies(r, [_read_group_args(group, consumer, streams, count, block_ms)])
     return _raw_entries(taken)
 
 
@@ -74,7 +74,7 @@ def read_group_and_follow(r: redis.Redis, group: str, consumer: str, streams: Ma
     """`read_group`, then, in the same write, XREAD of the broadcast streams `follow` after
     their given ids, which Redis runs once the first read returns: what they hold as of that
     moment."""
-    taken, followed = _replies(r, [_read_group_args(group, consumer, streams, count, block_ms),
+    taken, followed = raw_replies(r, [_read_group_args(group, consumer, streams, count, block_ms),
                                    ("XREAD", "STREAMS", *follow, *follow.values())])
     return _raw_entries(taken), _raw_entries(followed)
 
@@ -83,21 +83,6 @@ def _read_group_args(group: str, consumer: str, streams: Mapping[str, str], coun
                      block_ms: int | None) -> tuple:
     options = [*(("COUNT", count) if count is not None else ()), *(("BLOCK", block_ms) if block_ms is not None else ())]
     return ("XREADGROUP", "GROUP", group, consumer, *options, "STREAMS", *streams, *streams.values())
-
-
-def _replies(r: redis.Redis, commands: Sequence[tuple]) -> list:
-    """The raw replies of `commands`, written at once on a connection of `r`'s pool (an
-    error reply raises; so does a lost connection, which is closed)."""
-    pool = r.connection_pool
-    conn = pool_connection(pool)
-    try:
-        send_commands(conn, commands)
-        return [conn.read_response() for _ in commands]
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
 
 
 def _raw_entries(reply: Any) -> list[Entry]:
@@ -109,14 +94,12 @@ def _raw_entries(reply: Any) -> list[Entry]:
             for stream, entries in by_stream for entry_id, flat in entries]
 
 
-def read(r: Client, streams: Mapping[str, str], *, block_ms: int | None = None) -> list[Entry]:
-    """XREAD (no group: a broadcast every reader sees): each stream's entries after its id."""
-    return _entries(r.xread(dict(streams), block=block_ms))
-
-
-def _entries(reply: Any) -> list[Entry]:
-    """The entries of an XREAD or XREADGROUP reply (redis-py's: [stream, [(id, fields)]] each)."""
-    return [Entry(text(stream), entry_id, fields) for stream, entries in reply or [] for entry_id, fields in entries]
+def read(r: redis.Redis, streams: Mapping[str, str], *, block_ms: int | None = None) -> list[Entry]:
+    """XREAD (no group: a broadcast every reader sees): each stream's entries after its id
+    (its reply read raw, as `read_group`'s)."""
+    [followed] = raw_replies(r, [("XREAD", *(("BLOCK", block_ms) if block_ms is not None else ()),
+                                  "STREAMS", *streams, *streams.values())])
+    return _raw_entries(followed)
 
 
 def entries(r: Client, stream: str, start: str = "-", end: str = "+", *,

@@ -59,6 +59,11 @@ class SchedulerConfig(_Model):
         "group", description="stream mode: the oversample extra rollouts of a group are "
         "submitted with it (group), or only once no more than oversample of its rollouts are "
         "still running (straggler: a backup for the slowest)")
+    backup_limit: int | None = Field(
+        None, ge=1, description="stream mode, oversample_start=straggler: most backup rollouts "
+        "queued or running at once (groups whose members are oldest are backed up first); "
+        "None: no limit. A group that can only complete with its extra rollouts (a failure "
+        "used up a sample's attempts) is backed up whatever the limit")
     supply: int | None = Field(
         None, ge=1, description="stream mode: task batches registered beyond the step being "
         "trained, the window new groups are drawn from; None: three in-flight targets' worth "
@@ -106,6 +111,10 @@ class SchedulerConfig(_Model):
             raise ValueError(f"admit={self.admit} exceeds batch_size={self.batch_size}")
         if self.oversample_start == "straggler" and self.admission != "stream":
             raise ValueError("oversample_start='straggler' needs admission='stream'")
+        if self.backup_limit is not None and self.backup_limit < self.oversample:
+            raise ValueError(
+                f"backup_limit={self.backup_limit} is below oversample={self.oversample}: "
+                "no group could ever be backed up")
         if self.inflight_samples is not None and self.inflight_samples < self.group_size:
             raise ValueError(
                 f"inflight_samples={self.inflight_samples} is below one group "

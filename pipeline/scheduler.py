@@ -660,8 +660,10 @@ class Scheduler:
     def _back_up_stragglers(self, groups: list[_Group]) -> None:
         """oversample_start="straggler", at a handover: a waiting group with no more than
         `oversample` samples still running, whose oldest admitted member will be past the
-        bound two handovers from now, gets its extra samples as backups of its stragglers;
-        the first `groups` to finish are admitted as with any oversample."""
+        bound two handovers from now, gets its extra samples as backups of its stragglers, the groups with the oldest members first while `backup_limit` allows; the
+        first `groups` to finish are admitted as with any oversample."""
+        horizon = self.updates - self.config.max_lag + 1
+        due = []
         for group in groups:
             if group.backed_up or group.complete or self._groups.get(group.id) is not group:
                 continue
@@ -669,9 +671,23 @@ class Scheduler:
             if running > self.config.oversample or not group.admitted:
                 continue  # more stragglers than backups, or nothing aging (re-checked)
             oldest = min(group.samples[i].oldest for i in group.admitted)
-            if oldest > self.updates - self.config.max_lag + 1:
-                continue  # its admitted members outlive the next two handovers
+            if oldest <= horizon:  # its admitted members age out within the horizon
+                due.append((oldest, group.id, group))
+        limit = self.config.backup_limit
+        room = math.inf if limit is None else limit - self._backups_in_flight()
+        for _, _, group in sorted(due, key=lambda d: d[:2]):
+            extra = sum(s.state == _IDLE and s.attempt < 0 for s in group.samples[self.config.groups:])
+            if extra > room:
+                break
+            room -= extra
             self._back_up(group)
+
+    def _backups_in_flight(self) -> int:
+        """Extra samples of backed-up groups still waiting for their result: running, or
+        queued for a credit."""
+        return sum(s.state in (_RUNNING, _IDLE)
+                   for g in self._groups.values() if g.backed_up and not g.complete
+                   for s in g.samples[self.config.groups:])
 
     def _back_up(self, group: _Group) -> None:
         """Queue `group`'s extra samples, first attempts that wait for credits like

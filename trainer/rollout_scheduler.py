@@ -122,6 +122,7 @@ class RolloutScheduler:
         inflight_samples: int | None = None,
         backfill: str = "sample",
         oversample_start: str = "group",
+        backup_limit: int | None = None,
         supply: int | None = None,
         stale_running: str = "cancel",
         redis: str | RedisConfig | None = None,
@@ -141,7 +142,7 @@ class RolloutScheduler:
             estimator=estimator, truncation=truncation, support_capacity=support_capacity,
             admission=admission, width=width, rows=rows, batch_size=batch_size,
             inflight_samples=inflight_samples, backfill=backfill, oversample_start=oversample_start,
-            supply=supply, stale_running=stale_running))
+            backup_limit=backup_limit, supply=supply, stale_running=stale_running))
         if redis is not None and source is not None:
             logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
         if redis is None and source is None:

@@ -592,6 +592,33 @@ def test_straggler_oversample_submits_the_extra_samples_once_the_group_needs_the
     assert extra.key.sample == 2 and of(Abandon, acts) == []
 
 
+@pytest.mark.parametrize("limit", [None, 1])
+def test_backup_limit_backs_up_the_groups_with_the_oldest_members_first(limit):
+    d = _stream(inflight_samples=6, admit=1, groups=2, oversample=1, max_lag=1, ahead=1,
+                oversample_start="straggler", stale_running="finish", backup_limit=limit)
+    d.register(0, n=2)
+    g0, g1 = d.groups()
+    (fast0, slow0), (fast1, slow1) = d.running_of(g0), d.running_of(g1)
+    d.finish(fast1, oldest=1)
+    d.finish(fast0, oldest=0)  # g0's admitted member is the older: it goes first
+    backups = of(Submit, d.handover(0, updates=1))  # both due: 0 and 1 <= 1 - 1 + 1
+    assert [(b.key.group, b.key.sample) for b in backups] == [(g0, 2), (g1, 2)][:limit]
+    if limit is None:
+        return
+    assert d.sched.credits == 3  # credits are free, but the limit holds g1's backup back
+    acts = d.finish(backups[0].key, oldest=1)  # g0's backup wins: its straggler is surplus
+    assert Cancel(slow0, "surplus") in of(Cancel, acts)
+    (emit,) = of(Emit, acts)
+    (late,) = of(Submit, d.handover(1, updates=1))  # room again: g1 is backed up now
+    assert (late.key.group, late.key.sample) == (g1, 2) and slow1 in d.running()
+
+
+def test_backup_limit_cannot_be_below_oversample():
+    with pytest.raises(ValueError, match="backup_limit=1 is below oversample=2"):
+        SchedulerConfig(admission="stream", groups=2, oversample=2, oversample_start="straggler",
+                        backup_limit=1)
+
+
 def test_straggler_oversample_needs_stream_admission():
     with pytest.raises(ValueError, match="oversample_start"):
         SchedulerConfig(admission="batch", oversample=1, oversample_start="straggler")

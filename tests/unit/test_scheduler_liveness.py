@@ -110,6 +110,8 @@ def tight_configs(draw):
         if cfg["admission"] == "stream":
             size = cfg["groups"] + cfg["oversample"]
             cfg["inflight_samples"] = size * draw(st.integers(1, 3))
+            if cfg.get("backup_limit") is not None:
+                cfg["backup_limit"] = max(cfg["backup_limit"], cfg["oversample"])
     return cfg
 
 

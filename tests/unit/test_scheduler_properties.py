@@ -35,6 +35,8 @@ def configs(draw, admission=None):
         cfg["inflight_samples"] = (groups + oversample) * draw(st.integers(1, 4)) + draw(
             st.integers(0, groups + oversample - 1))
         cfg["oversample_start"] = draw(st.sampled_from(["group", "straggler"]))
+        if cfg["oversample_start"] == "straggler":
+            cfg["backup_limit"] = draw(st.sampled_from([None, max(1, oversample), oversample + 1]))
     cfg["stale_running"] = draw(st.sampled_from(["cancel", "finish"]))
     return cfg
 

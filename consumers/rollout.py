@@ -71,7 +71,6 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import redis
@@ -197,7 +196,8 @@ def _held_lock() -> threading.Lock:
 @dataclass(eq=False)
 class _Publication:
     """A finished session's result entry (and dead letter), waiting for its commit; or,
-    with `encode`, what makes them, which the committing thread calls (`fields` None till then).
+    with `ended` (the session, its traceback if any, its finish time), what makes them,
+    which the committing thread encodes with the rest of its batch (`fields` None till then).
     `wake`, held, is given to the first publication of a `publish` call that finds a commit
     in flight, and released when it is committed (`done`) or its thread is to lead the next
     commit."""
@@ -207,7 +207,7 @@ class _Publication:
     dead: dict | None
     done: bool = False
     error: BaseException | None = None
-    encode: Callable[[], tuple[dict, dict | None]] | None = None
+    ended: tuple[Session, str | None, float] | None = None
     wake: threading.Lock | None = None
 
 
@@ -646,8 +646,8 @@ class RolloutConsumer:
             return
         # encoded by the thread that commits the batch: one thread at a time encodes, as
         # many numpy calls release the GIL and sessions encoding at once would contend for it
-        self._publisher.publish(*(_Publication(o, None, None, encode=partial(
-            self._result_fields, o, session, error, finished)) for o, session, error, finished in ended))
+        self._publisher.publish(*(_Publication(o, None, None, ended=(session, error, finished))
+                                  for o, session, error, finished in ended))
         for status, n in Counter(session.status for _, session, _, _ in ended).items():  # once per status
             self.stats[f"results_{status.value}"] += n
         self._release(*(o for o, _, _, _ in ended))
@@ -660,10 +660,7 @@ class RolloutConsumer:
         not, it was acknowledged by that EXEC (or reclaimed by the admission consumer, which
         already finished the attempt), and publishing it again would only append a
         duplicate. (Sessions that end while a commit is in flight share the next one.)"""
-        for p in batch:
-            if p.encode is not None:
-                p.fields, p.dead = p.encode()
-                p.encode = None
+        self._encode([p for p in batch if p.ended is not None])
         outage = Outage(f"consumer {self.name} publishing {len(batch)} results", self.config.redis.reconnect_s)
         while True:
             try:
@@ -705,17 +702,36 @@ class RolloutConsumer:
                 self.stats["republish_skipped"] += 1
         return kept
 
-    def _result_fields(self, o: _Owned, session: Session, error: str | None,
-                       finished: float) -> tuple[dict, dict | None]:
-        """The result entry (the session's calls merged into chains here, so a repeated prompt
-        never crosses the network), and a dead letter when the session's data does not encode."""
+    def _encode(self, batch: Sequence[_Publication]) -> None:
+        """Make the result entries (and dead letters) of `batch`'s ended sessions: their
+        sessions' calls merged into chains here (so a repeated prompt never crosses the
+        network), their per-token checks run once over the batch (`wire.results_fields`); a
+        session that takes another path, or any of a batch whose joint check fails, is
+        encoded alone (`_result_fields`), which refuses a bad one with its reason."""
+        if not batch:
+            return
+        items, own = [], []  # `own`: the consumer's timings of each, for a failed result
+        for p in batch:
+            assert p.ended is not None
+            session, error, finished = p.ended
+            o, w = p.owned, p.owned.work
+            timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started, "finished": finished}
+            session.timings = {**timings, **dict(session.timings)}
+            own.append(timings)
+            items.append((w.shard, w.epoch, w.group, w.sample, w.attempt, session, self.name, error))
+        made = wire.results_fields(items, vocab=self.config.vocab, max_bytes=self.config.max_message_bytes)
+        for p, item, timings, fields in zip(batch, items, own, made):
+            p.fields, p.dead = (fields, None) if fields is not None else self._result_fields(p.owned, item, timings)
+            p.ended = None
+
+    def _result_fields(self, o: _Owned, item: tuple[int, int, int, int, int, Session, str, str | None],
+                       timings: dict[str, float]) -> tuple[dict, dict | None]:
+        """The result entry of one session (`item`: as `wire.result_fields` takes it, its
+        timings set), and a dead letter when the session's data does not encode (its
+        INFRA_ERROR result with the consumer's `timings`)."""
         w = o.work
-        timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started,
-                   "finished": finished}
-        session.timings = {**timings, **dict(session.timings)}
         try:
-            return wire.result_fields(w.shard, w.epoch, w.group, w.sample, w.attempt, session, self.name,
-                                      error, vocab=self.config.vocab,
+            return wire.result_fields(*item, vocab=self.config.vocab,
                                       max_bytes=self.config.max_message_bytes), None
         except ValueError as exc:  # SchemaError, or calls a source changed after making them
             reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"

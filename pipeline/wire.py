@@ -180,6 +180,12 @@ def _native(v: Any, path: str, depth: int = 0) -> Any:
 
 
 def _task(v: Any, path: str) -> Task:
+    if type(v) is dict and len(v) == 2 and type(task_id := v.get("id")) is str and task_id \
+            and type(payload := v.get("payload")) is dict:  # the usual map, as checked below
+        task = _new(Task)
+        object.__setattr__(task, "__dict__", {"id": task_id, "payload": _payload(payload, f"{path}.payload")
+                                              if payload else {}})
+        return task
     d = _struct(v, path, ("id", "payload"))
     payload = _payload(d["payload"], f"{path}.payload")
     return Task(_str(d["id"], f"{path}.id", nonempty=True), payload)

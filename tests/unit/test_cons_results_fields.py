@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline import wire
 from pipeline.sessions import Call, Session, Status
-from tests.unit.test_wire_merged import SESSIONS, _call, _entry
+from tests.unit.test_wire_merged import CHANGES, SESSION_CHANGES, SESSIONS, _call, _changed, _entry
+from tests.unit.test_wire_merged import sessions as any_sessions
 
 
 def _plain(i: int, prompt: int = 256, completion: int = 768, vocab: int = 50_000) -> Session:
@@ -92,3 +95,45 @@ def test_calls_made_unchecked_are_checked_in_the_batch():
     assert wire.results_fields(items) == [None] * 3
     each = _each(items, None)
     assert type(each[0]) is dict and type(each[2]) is dict and each[1][0] == "SchemaError"
+
+
+@pytest.mark.parametrize("vocab", [None, 64])
+@pytest.mark.parametrize("name", [*CHANGES, *SESSION_CHANGES])
+def test_a_session_changed_after_making_is_never_taken_otherwise_than_alone(name, vocab):
+    """Each of the changes `result_fields` is tested against, amid plain sessions: whatever
+    the batch takes has the fields `result_fields` gives, and a session it refuses is left
+    to it."""
+    if name in CHANGES:
+        changed = _changed(CHANGES[name])
+    else:
+        changed = _changed(lambda c: None)
+        SESSION_CHANGES[name](changed)
+    sessions = [_plain(0, 3, 4, 64), changed, _plain(1, 3, 4, 64)]
+    items = _items(sessions)
+    try:
+        batch = wire.results_fields(items, vocab=vocab)
+    except (AttributeError, TypeError) as exc:  # as `result_fields` raises them (the general path)
+        with pytest.raises(type(exc)):
+            wire.result_fields(*items[1], vocab=vocab)
+        return
+
+    def alone(item):
+        try:
+            return _entry(wire.result_fields, *item, vocab=vocab)
+        except (AttributeError, TypeError) as exc:
+            return type(exc).__name__
+
+    each = [alone(item) for item in items]
+    for made, fields in zip(batch, each):
+        assert made is None or made == fields
+    if type(each[1]) is not dict:
+        assert batch[1] is None
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(any_sessions(), max_size=6), st.sampled_from([None, 2**31, 1000]))
+def test_any_batch_has_the_fields_of_each_result_alone(batch_sessions, vocab):
+    items = _items(batch_sessions)
+    each = _each(items, vocab)
+    for made, alone in zip(wire.results_fields(items, vocab=vocab), each):
+        assert made is None or made == alone

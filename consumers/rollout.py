@@ -5,7 +5,10 @@ refilled at once) and starts one session thread per entry; a sync source runs in
 thread, an async source (`arun`) on the consumer's event loop while the thread waits for
 it. A sync source whose sessions never wait (`inline = True`, `runs_inline`: a stand-in of
 zero-length sessions) runs on the main loop instead, the sessions of one read one after
-another, their results committed together: no thread hand-off per session. A listener
+another, their results committed together: no thread hand-off per session; and that commit
+carries the next read of work (and of `control`) behind its EXEC, in the same write, so a
+read and its commit cost one round trip (the entries read are this consumer's as any others:
+run next, adopted if the read's reply is lost, run and committed before it stops). A listener
 thread follows `control` (cancels; every consumer sees every entry) and `weights` (the
 served version `SessionRequest.served_version()` returns) with XREAD.
 
@@ -71,7 +74,6 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import redis
@@ -197,7 +199,8 @@ def _held_lock() -> threading.Lock:
 @dataclass(eq=False)
 class _Publication:
     """A finished session's result entry (and dead letter), waiting for its commit; or,
-    with `encode`, what makes them, which the committing thread calls (`fields` None till then).
+    with `ended` (the session, its traceback if any, its finish time), what makes them,
+    which the committing thread encodes with the rest of its batch (`fields` None till then).
     `wake`, held, is given to the first publication of a `publish` call that finds a commit
     in flight, and released when it is committed (`done`) or its thread is to lead the next
     commit."""
@@ -207,7 +210,7 @@ class _Publication:
     dead: dict | None
     done: bool = False
     error: BaseException | None = None
-    encode: Callable[[], tuple[dict, dict | None]] | None = None
+    ended: tuple[Session, str | None, float] | None = None
     wake: threading.Lock | None = None
 
 
@@ -321,6 +324,10 @@ class RolloutConsumer:
         self._freed = threading.Event()
         self._cancels = _Cancels()
         self._control_from = "0-0"  # where the next read of work reads `control` from
+        self._stop = threading.Event()  # `run`'s
+        self._read_behind = False  # the commit in hand reads the next work behind its EXEC
+        self._read_ahead: tuple[list[streams.Entry], list[streams.Entry]] | None = None  # what it read
+        self._adopt_again = False  # a read behind a commit failed: its entries may be pending here
         self._served = 0
         self._failure: BaseException | None = None
         self._next_renew = 0.0
@@ -343,6 +350,7 @@ class RolloutConsumer:
 
     def run(self, stop: threading.Event) -> None:
         """Take and run work until `stop` is set, then drain (see the module docstring)."""
+        self._stop = stop
         self._prepare()
         log.info("consumer %s running %d slots (source %s)", self.name, self.config.slots,
                  type(self.source).__name__)
@@ -351,7 +359,9 @@ class RolloutConsumer:
             adopt = True
             while not stop.is_set():
                 try:
-                    if adopt:
+                    if adopt or self._adopt_again:
+                        self._read_ahead = None  # the adoption starts them
+                        self._adopt_again = False
                         self._adopt_own_pending()
                         adopt = False
                     self._raise_background_failure()
@@ -366,6 +376,8 @@ class RolloutConsumer:
                     stop.wait(outage.failed(exc))
                     self._reconnect()
                     adopt = True  # a lost read reply leaves entries pending under our name
+            if self._read_ahead is not None:  # read behind the last commit: started, then drained
+                self._take_work()
             self._drain()
         finally:
             self._shutdown()
@@ -434,13 +446,16 @@ class RolloutConsumer:
     def _take_work(self) -> None:
         """Read as many entries as there are free slots (or wait for a slot) and start them."""
         self._freed.clear()
-        free = self.config.slots - len(self._owned)
-        if free <= 0:
-            self._freed.wait(self.block_ms / 1000)
-            return
-        read, control = streams.read_group_and_follow(
-            self.r, WORK_GROUP, self.name, {self.keys.work: ">"}, {self.keys.control: self._control_from},
-            count=free, block_ms=self.block_ms)
+        if self._read_ahead is not None:  # read behind the last commit (`_commit_and_read`)
+            (read, control), self._read_ahead = self._read_ahead, None
+        else:
+            free = self.config.slots - len(self._owned)
+            if free <= 0:
+                self._freed.wait(self.block_ms / 1000)
+                return
+            read, control = streams.read_group_and_follow(
+                self.r, WORK_GROUP, self.name, {self.keys.work: ">"}, {self.keys.control: self._control_from},
+                count=free, block_ms=self.block_ms)
         self._note_cancels(control)
         self._start([(e.id, e.fields) for e in read])
 
@@ -602,7 +617,11 @@ class RolloutConsumer:
         for o in owned:
             session, error = self._outcome(o)
             ended.append((o, session, error, time.time()))
-        self._publish(*ended)
+        self._read_behind = not self._stop.is_set()  # this thread leads the commit: no other publishes
+        try:
+            self._publish(*ended)
+        finally:
+            self._read_behind = False
 
     def _outcome(self, o: _Owned) -> tuple[Session, str | None]:
         """Run one session: its Session, and the traceback of a source that raised."""
@@ -646,8 +665,8 @@ class RolloutConsumer:
             return
         # encoded by the thread that commits the batch: one thread at a time encodes, as
         # many numpy calls release the GIL and sessions encoding at once would contend for it
-        self._publisher.publish(*(_Publication(o, None, None, encode=partial(
-            self._result_fields, o, session, error, finished)) for o, session, error, finished in ended))
+        self._publisher.publish(*(_Publication(o, None, None, ended=(session, error, finished))
+                                  for o, session, error, finished in ended))
         for status, n in Counter(session.status for _, session, _, _ in ended).items():  # once per status
             self.stats[f"results_{status.value}"] += n
         self._release(*(o for o, _, _, _ in ended))
@@ -660,10 +679,7 @@ class RolloutConsumer:
         not, it was acknowledged by that EXEC (or reclaimed by the admission consumer, which
         already finished the attempt), and publishing it again would only append a
         duplicate. (Sessions that end while a commit is in flight share the next one.)"""
-        for p in batch:
-            if p.encode is not None:
-                p.fields, p.dead = p.encode()
-                p.encode = None
+        self._encode([p for p in batch if p.ended is not None])
         outage = Outage(f"consumer {self.name} publishing {len(batch)} results", self.config.redis.reconnect_s)
         while True:
             try:
@@ -671,7 +687,11 @@ class RolloutConsumer:
                     batch = self._still_pending(batch)
                     if not batch:
                         return
-                transaction(self.r, self._commands(batch))
+                free = self.config.slots - (len(self._owned) - len(batch))
+                if self._read_behind and self._read_ahead is None and not outage.failures and free > 0:
+                    self._commit_and_read(batch, free)
+                else:
+                    transaction(self.r, self._commands(batch))
                 outage.ended()
                 return
             except FATAL:
@@ -679,6 +699,23 @@ class RolloutConsumer:
             except RETRYABLE as exc:
                 self.stats["publish_retries"] += 1
                 time.sleep(outage.failed(exc))
+
+    def _commit_and_read(self, batch: Sequence[_Publication], free: int) -> None:
+        """The transaction of `batch` and, behind its EXEC in the same write, the next read of
+        work (`free` entries at most, without a block: an empty read leaves the wait to the
+        main loop's own read) and of `control`, kept for the next `_take_work`. If the reads'
+        replies are lost (the commit raised) or refused, the entries they took may be pending
+        under this consumer's name: the main loop adopts its pending entries first."""
+        self._read_behind = False  # one read per batch, whatever happens
+        try:
+            _, self._read_ahead = streams.commit_then_read_group_and_follow(
+                self.r, self._commands(batch), WORK_GROUP, self.name, {self.keys.work: ">"},
+                {self.keys.control: self._control_from}, count=free)
+        except BaseException:  # re-raised: the commit is retried (or fails) as any other
+            self._adopt_again = True
+            raise
+        if self._read_ahead is None:
+            self._adopt_again = True
 
     def _commands(self, batch: Sequence[_Publication]) -> list[tuple]:
         """The XADDs of `batch`'s results (and dead letters), and the XACK of its work."""
@@ -705,17 +742,36 @@ class RolloutConsumer:
                 self.stats["republish_skipped"] += 1
         return kept
 
-    def _result_fields(self, o: _Owned, session: Session, error: str | None,
-                       finished: float) -> tuple[dict, dict | None]:
-        """The result entry (the session's calls merged into chains here, so a repeated prompt
-        never crosses the network), and a dead letter when the session's data does not encode."""
+    def _encode(self, batch: Sequence[_Publication]) -> None:
+        """Make the result entries (and dead letters) of `batch`'s ended sessions: their
+        sessions' calls merged into chains here (so a repeated prompt never crosses the
+        network), their per-token checks run once over the batch (`wire.results_fields`); a
+        session that takes another path, or any of a batch whose joint check fails, is
+        encoded alone (`_result_fields`), which refuses a bad one with its reason."""
+        if not batch:
+            return
+        items, own = [], []  # `own`: the consumer's timings of each, for a failed result
+        for p in batch:
+            assert p.ended is not None
+            session, error, finished = p.ended
+            o, w = p.owned, p.owned.work
+            timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started, "finished": finished}
+            session.timings = {**timings, **dict(session.timings)}
+            own.append(timings)
+            items.append((w.shard, w.epoch, w.group, w.sample, w.attempt, session, self.name, error))
+        made = wire.results_fields(items, vocab=self.config.vocab, max_bytes=self.config.max_message_bytes)
+        for p, item, timings, fields in zip(batch, items, own, made):
+            p.fields, p.dead = (fields, None) if fields is not None else self._result_fields(p.owned, item, timings)
+            p.ended = None
+
+    def _result_fields(self, o: _Owned, item: tuple[int, int, int, int, int, Session, str, str | None],
+                       timings: dict[str, float]) -> tuple[dict, dict | None]:
+        """The result entry of one session (`item`: as `wire.result_fields` takes it, its
+        timings set), and a dead letter when the session's data does not encode (its
+        INFRA_ERROR result with the consumer's `timings`)."""
         w = o.work
-        timings = {"submitted": parse_id(o.entry_id)[0] / 1000, "started": o.started,
-                   "finished": finished}
-        session.timings = {**timings, **dict(session.timings)}
         try:
-            return wire.result_fields(w.shard, w.epoch, w.group, w.sample, w.attempt, session, self.name,
-                                      error, vocab=self.config.vocab,
+            return wire.result_fields(*item, vocab=self.config.vocab,
                                       max_bytes=self.config.max_message_bytes), None
         except ValueError as exc:  # SchemaError, or calls a source changed after making them
             reason = f"invalid session from {type(self.source).__name__} for {_member(w)}: {exc}"

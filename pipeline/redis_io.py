@@ -217,15 +217,33 @@ def transaction(r: redis.Redis, commands: Sequence[tuple]) -> list:
     response callbacks). A command's error raises, as redis-py's transaction pipeline raises
     it (the first), and so does a lost connection, which is closed (the transaction then may
     or may not have applied: the caller knows how to find out)."""
+    return transaction_then(r, commands, ())[0]
+
+
+def transaction_then(r: redis.Redis, commands: Sequence[tuple], then: Sequence[tuple]) -> tuple[list, list]:
+    """`transaction(r, commands)` with the commands `then` written behind its EXEC, in the
+    same write (Redis runs them once the transaction has applied): the EXEC's replies, and
+    the replies of `then` as Redis sent them, an error reply as its `ResponseError` (not
+    raised: the transaction applied). Raises as `transaction` does, and then `then` may or
+    may not have run, its replies lost with the connection."""
     with _borrowed(r) as conn:
-        send_commands(conn, [("MULTI",), *commands, ("EXEC",)])
-        replies = exec_replies(conn, len(commands))
+        send_commands(conn, [("MULTI",), *commands, ("EXEC",), *then])
+        replies = exec_replies(conn, len(commands))  # raising, it closes the connection
+        after = [_reply_or_error(conn) for _ in then]
     if replies is None:
         raise redis.exceptions.WatchError("the transaction was refused by a WATCH")
     for reply in replies:
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
-    return replies
+    return replies, after
+
+
+def _reply_or_error(conn: redis.connection.Connection) -> Any:
+    """The next reply on `conn`, an error reply returned as its `ResponseError`."""
+    try:
+        return conn.read_response()
+    except redis.exceptions.ResponseError as exc:
+        return exc
 
 
 def raw_replies(r: redis.Redis, commands: Sequence[tuple]) -> list:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import redis
 
 from pipeline import wire
-from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, raw_replies, text
+from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, raw_replies, text, transaction_then
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,22 @@ def read_group_and_follow(r: redis.Redis, group: str, consumer: str, streams: Ma
     taken, followed = raw_replies(r, [_read_group_args(group, consumer, streams, count, block_ms),
                                    ("XREAD", "STREAMS", *follow, *follow.values())])
     return _raw_entries(taken), _raw_entries(followed)
+
+
+def commit_then_read_group_and_follow(r: redis.Redis, commands: Sequence[tuple], group: str, consumer: str,
+                                      streams: Mapping[str, str], follow: Mapping[str, str], *,
+                                      count: int | None = None,
+                                      ) -> tuple[list, tuple[list[Entry], list[Entry]] | None]:
+    """`redis_io.transaction(r, commands)` and, written behind its EXEC in the same write,
+    `read_group_and_follow` without a block (Redis runs it once the transaction applied):
+    the EXEC's replies and the two reads' entries, or None for the reads when either
+    replied with an error (the group's read may then have delivered entries all the same).
+    Raises as `transaction` does (the reads may then have run, their replies lost)."""
+    replies, (taken, followed) = transaction_then(r, commands, [
+        _read_group_args(group, consumer, streams, count, None), ("XREAD", "STREAMS", *follow, *follow.values())])
+    if isinstance(taken, redis.exceptions.ResponseError) or isinstance(followed, redis.exceptions.ResponseError):
+        return replies, None
+    return replies, (_raw_entries(taken), _raw_entries(followed))
 
 
 def _read_group_args(group: str, consumer: str, streams: Mapping[str, str], count: int | None,

@@ -180,6 +180,12 @@ def _native(v: Any, path: str, depth: int = 0) -> Any:
 
 
 def _task(v: Any, path: str) -> Task:
+    if type(v) is dict and len(v) == 2 and type(task_id := v.get("id")) is str and task_id \
+            and type(payload := v.get("payload")) is dict:  # the usual map, as checked below
+        task = _new(Task)
+        object.__setattr__(task, "__dict__", {"id": task_id, "payload": _payload(payload, f"{path}.payload")
+                                              if payload else {}})
+        return task
     d = _struct(v, path, ("id", "payload"))
     payload = _payload(d["payload"], f"{path}.payload")
     return Task(_str(d["id"], f"{path}.id", nonempty=True), payload)
@@ -1170,6 +1176,27 @@ def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: i
     its log-probs finite and <= 0 (the merged log-probs are these and zeros), one log-prob
     per completion token, its version a non-negative int32, the duration non-negative,
     then every other field as `encode` checks it, and the size limit."""
+    form = _one_call_form(shard, epoch, group, sample, attempt, session, consumer, error)
+    if form is None:
+        return None
+    out, prompt, completion, logprobs = form
+    tokens = prompt.tobytes() + completion.tobytes()
+    if not _valid_values(np.frombuffer(tokens, _U32), logprobs, vocab):
+        return None
+    return _one_call_bytes(out, tokens, logprobs.tobytes(), max_bytes)
+
+
+_Form = tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]
+"""A session of one plain call: its result's wire map (`_one_call_form`), the call's prompt
+and completion ids and its log-probs."""
+
+
+def _one_call_form(shard: int, epoch: int, group: int, sample: int, attempt: int, session: Session,
+                   consumer: str, error: str | None) -> _Form | None:
+    """The wire map of a session of one plain call, its chains' tokens and log-probs still to
+    be set (`_one_call_bytes`), and that call's arrays: every check of `_one_call_result` made but
+    those of the call's values (token ids, log-probs: `_valid_values`); None for any other
+    session and for one those checks refuse."""
     calls = session.calls
     if type(calls) is not list or len(calls) != 1:
         return None
@@ -1185,20 +1212,14 @@ def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: i
     p, c = len(prompt), len(completion)
     if len(logprobs) != c or type(version) is not int or not 0 <= version < _TOKEN_BOUND:
         return None
-    tokens = prompt.tobytes() + completion.tobytes()
-    bound = _TOKEN_BOUND if vocab is None else min(vocab, _TOKEN_BOUND)
-    if tokens and int(_MAX(np.frombuffer(tokens, _U32))) >= bound:
-        return None
-    if c and not finite_logprobs(logprobs):
-        return None
     components, timings = dict(session.components), dict(session.timings)  # in `Result`'s order
     started, finished = timings.get("started"), timings.get("finished")
     if started is not None and finished is not None and finished < started:
         return None
     n = p + c
-    chains = {"lengths": _I4.pack(n), "calls": _ONE_CALL, "call_tokens": _I8.pack(n), "tokens": tokens,
+    chains = {"lengths": _I4.pack(n), "calls": _ONE_CALL, "call_tokens": _I8.pack(n), "tokens": None,
               "loss_mask": (((1 << c) - 1) << p).to_bytes((n + 7) // 8, "little"),  # np.packbits, little
-              "logprobs": logprobs.tobytes(), "versions": _I4.pack(version) if c else b"",
+              "logprobs": None, "versions": _I4.pack(version) if c else b"",
               "version_runs": _I4.pack(c) if c else b"", "support": None}
     status, reward, truncation = session.status, session.reward, session.truncation
     if not (type(shard) is int and type(epoch) is int and type(group) is int and type(sample) is int
@@ -1207,16 +1228,94 @@ def _one_call_result(shard: int, epoch: int, group: int, sample: int, attempt: i
             and (error is None or type(error) is str) and _PLAIN.issuperset(map(type, timings.values()))
             and _PLAIN.issuperset(map(type, components.values()))):
         return None  # values `_wire` converts: the general path
-    out = {"v": SCHEMA_VERSION, "k": Result.KIND, "shard": shard, "epoch": epoch, "group": group,
-           "sample": sample, "attempt": attempt, "consumer": consumer, "status": status.value,
-           "reward": reward, "components": components, "chains": chains, "truncation": truncation,
-           "timings": timings, "error": error}
+    return {"v": SCHEMA_VERSION, "k": Result.KIND, "shard": shard, "epoch": epoch, "group": group,
+            "sample": sample, "attempt": attempt, "consumer": consumer, "status": status.value,
+            "reward": reward, "components": components, "chains": chains, "truncation": truncation,
+            "timings": timings, "error": error}, prompt, completion, logprobs
+
+
+def _valid_values(tokens: np.ndarray, logprobs: np.ndarray, vocab: int | None) -> bool:
+    """Whether token ids (viewed unsigned: a negative one is >= 2**31, so one max checks both
+    ends) are all below `vocab` (and 2**31), and log-probs all finite and <= 0."""
+    bound = _TOKEN_BOUND if vocab is None else min(vocab, _TOKEN_BOUND)
+    if len(tokens) and int(_MAX(tokens)) >= bound:
+        return False
+    return not len(logprobs) or finite_logprobs(logprobs)
+
+
+def _one_call_bytes(out: dict[str, Any], tokens: Any, logprobs: Any, max_bytes: int) -> bytes | None:
+    """The bytes of a `_one_call_form` map with its chains' token and log-prob bytes (bytes
+    or byte memoryviews, msgpack bin alike), once `encode`'s checks of its fields pass and
+    within `max_bytes`; None if not."""
+    chains = out["chains"]
+    chains["tokens"], chains["logprobs"] = tokens, logprobs
     try:
         _check(out, Result, _MERGED)
         data = _ENCODER.encode(out)  # msgpack.packb's bytes, of these plain values
     except (ValueError, TypeError, OverflowError, msgspec.EncodeError):  # SchemaError is a ValueError
         return None  # refused: the general path raises it with its field and reason
     return data if len(data) <= max_bytes else None
+
+
+def results_fields(items: Sequence[tuple[int, int, int, int, int, Session, str, str | None]], *,
+                   vocab: int | None = None,
+                   max_bytes: int = MAX_MESSAGE_BYTES) -> list[dict[bytes, bytes] | None]:
+    """`result_fields(*item, vocab=vocab, max_bytes=max_bytes)` of several sessions at once,
+    for those of one plain call (the common case): the per-token checks (token ids within
+    the vocabulary, log-probs finite and <= 0) run once over those calls' arrays joined, and
+    each result's token and log-prob bytes are its span of them. None for a session left to
+    `result_fields` alone: any other kind of session, one whose other checks fail, and every
+    session taken here when the joint check finds a value that one of them would refuse
+    (`result_fields` of each then gives its fields, or refuses it with its field and reason)."""
+    out: list[dict[bytes, bytes] | None] = [None] * len(items)
+    forms = [(i, form) for i, item in enumerate(items) if (form := _one_call_form(*item)) is not None]
+    if not forms:
+        return out
+    chunks: list[list[tuple[int, _Form]]] = [[]]
+    size = 0
+    for i, form in forms:
+        n = len(form[1]) + len(form[2])
+        if size + n > _JOINED_TOKENS and chunks[-1]:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((i, form))
+        size += n
+    for chunk in chunks:
+        if not _joined_results(chunk, out, vocab, max_bytes):
+            return [None] * len(items)  # one refuses: each alone
+    return out
+
+
+_JOINED_TOKENS = 1 << 14
+_TOKEN_SIZE, _LOGPROB_SIZE = TOKEN_DTYPE.itemsize, LOGPROB_DTYPE.itemsize
+"""Tokens of the results checked together, at most (but for one result alone): their
+arrays joined (64 KB of token ids at most) stay in the processor's caches, and below the
+size that an allocator maps afresh each time (128 KB for glibc's malloc): a read's 64
+results of 1k tokens joined cost more than checking each alone."""
+
+
+def _joined_results(forms: list[tuple[int, _Form]], out: list[dict[bytes, bytes] | None],
+                    vocab: int | None, max_bytes: int) -> bool:
+    """`results_fields` of `forms` (`_one_call_form`s, by their index in `out`): False,
+    setting nothing, if the checks of their joined arrays refuse any value."""
+    arrays = []
+    for _, (_, prompt, completion, _) in forms:
+        arrays.append(prompt)
+        arrays.append(completion)
+    tokens = np.concatenate(arrays)
+    logprobs = np.concatenate([form[3] for _, form in forms])
+    if not _valid_values(tokens.view(_U32), logprobs, vocab):
+        return False
+    token_bytes, logprob_bytes = tokens.data.cast("B"), logprobs.data.cast("B")
+    t = lp = 0
+    for i, (out_map, prompt, completion, call_logprobs) in forms:
+        n = t + _TOKEN_SIZE * (len(prompt) + len(completion))
+        c = lp + _LOGPROB_SIZE * len(call_logprobs)
+        data = _one_call_bytes(out_map, token_bytes[t:n], logprob_bytes[lp:c], max_bytes)
+        t, lp = n, c
+        if data is not None:
+            out[i] = {FIELD: data}
+    return True
 
 
 _I4, _I8 = struct.Struct("<i"), struct.Struct("<q")  # one int32 (lengths, versions, runs), one int64

@@ -638,7 +638,13 @@ class Admission:
         name = member(key)
         txn.bytes += len(payload)
         txn.held[name] = payload
-        self._held.setdefault(key.epoch, {}).setdefault(key.group, set()).add(name)
+        groups = self._held.get(key.epoch)
+        if groups is None:
+            groups = self._held[key.epoch] = {}
+        names = groups.get(key.group)
+        if names is None:
+            names = groups[key.group] = set()
+        names.add(name)
         self._decoded[name] = rollout
 
     def _unhold(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str] | None = None) -> None:

@@ -596,9 +596,8 @@ class Admission:
         cfg = self.config.scheduler
         keys = [key for g in emit.groups for key in g.samples]
         names = [member(key) for key in keys]
-        rollouts = self._rollouts(txn, keys, names)
-        groups = [Group.from_rollouts(g.group, [rollouts[key] for key in g.samples])
-                  for g in emit.groups]
+        rollouts = iter(self._rollouts(txn, keys, names))
+        groups = [Group.from_rollouts(g.group, [next(rollouts) for _ in g.samples]) for g in emit.groups]
         rec = emit.record
         try:
             packed = pack(groups, rows=cfg.rows, width=cfg.width, estimator=cfg.estimator,
@@ -674,23 +673,22 @@ class Admission:
             for gid in list(self._held.get(epoch, ())):
                 self._unhold_group(txn, epoch, gid)
 
-    def _rollouts(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str]) -> dict[SampleKey, Rollout]:
-        """The held rollouts of `keys` (`names`: their members): decoded when they were
-        admitted by this process (each result is decoded once), else (after a recovery)
+    def _rollouts(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str]) -> list[Rollout]:
+        """The held rollouts of `keys` (`names`: their members), in order: decoded when they
+        were admitted by this process (each result is decoded once), else (after a recovery)
         decoded from their held payloads, those this transaction wrote, then Redis."""
-        found = zip(keys, map(self._decoded.get, names))
-        out = {k: rollout for k, rollout in found if rollout is not None}
-        if len(out) == len(keys):
+        out: list = list(map(self._decoded.get, names))
+        missing = [i for i, rollout in enumerate(out) if rollout is None]
+        if not missing:
             return out
-        rest = [k for k in keys if k not in out]
-        staged = {k: txn.held[member(k)] for k in rest if txn.held.get(member(k)) is not None}
-        rest = [k for k in rest if k not in staged]
-        values = self.r.hmget(self.keys.held(self.shard), [member(k) for k in rest]) if rest else []
-        pairs = [*staged.items(), *zip(rest, values)]
-        for (key, _), payload in zip(pairs, self._held_payloads([v for _, v in pairs])):
+        staged = [i for i in missing if txn.held.get(names[i]) is not None]
+        rest = [i for i in missing if txn.held.get(names[i]) is None]
+        values = self.r.hmget(self.keys.held(self.shard), [names[i] for i in rest]) if rest else []
+        pairs = [*((i, txn.held[names[i]]) for i in staged), *zip(rest, values)]
+        for (i, _), payload in zip(pairs, self._held_payloads([v for _, v in pairs])):
             if payload is None:
-                raise RuntimeError(f"shard {self.shard}: the held result of admitted {key} is missing")
-            out[key] = _rollout(payload)
+                raise RuntimeError(f"shard {self.shard}: the held result of admitted {keys[i]} is missing")
+            out[i] = _rollout(payload)
         return out
 
     def _held_payloads(self, values: Sequence[bytes | None]) -> list[bytes | None]:

@@ -61,9 +61,11 @@ import signal
 import threading
 import time
 import traceback
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -128,6 +130,8 @@ COMMIT_TRANSITIONS = 256
 RECORDS_MAXLEN = 10_000
 DEAD_MAXLEN = 10_000
 
+
+_NONE_HELD: dict[int, set[str]] = {}  # an epoch without held results (never changed)
 
 REF = b"@"
 """A held value that starts with this is `REF` + the id of the result's entry of
@@ -269,7 +273,7 @@ class Admission:
         journal.check_config(self.r, k, self.shard, self.config.scheduler)
         self._rebuild()
         self._backlog = True  # read this consumer's own pending inputs first
-        self._deferred: list[tuple[str, bytes, dict | None]] = []  # read, pending, not yet applied
+        self._deferred: list[_Read] = []  # read, pending, not yet applied
         self._finish_reclaimed(self._own_work())
 
     def _reconnect(self) -> None:
@@ -286,12 +290,13 @@ class Admission:
         self.sched, self._since_snapshot = journal.load(
             self.r, self.keys, self.shard, self.config.scheduler)
         self._snapshot_after = self._snapshot_interval()
-        self._held: dict[tuple[int, int], set[str]] = defaultdict(set)
+        # the members held, by epoch then group (`_hold`)
+        self._held: dict[int, dict[int, set[str]]] = {}
         # the held results this process decoded, by member: never trusted across a rebuild
         self._decoded: dict[str, Rollout] = {}
         for name in self.r.hkeys(self.keys.held(self.shard)):
             key = parse_member(name)
-            self._held[(key.epoch, key.group)].add(text(name))
+            self._held.setdefault(key.epoch, {}).setdefault(key.group, set()).add(text(name))
 
     # ------------------------------------------------------------------ reading
 
@@ -303,16 +308,16 @@ class Admission:
         entries up to the last id of such a stream are applied now. The rest stay pending:
         a backlog read (`0`) returns them again, new entries (`>`) wait in `_deferred`."""
         if self._backlog:
-            entries, cutoff = self._xread({s: "0" for s in self._expect}, None)
-            if entries:
-                return _up_to(entries, cutoff)[0]
+            read, cutoff = self._xread({s: "0" for s in self._expect}, None)
+            if read:
+                return [entry for _, entry in _up_to(read, cutoff)[0]]
             self._backlog = False
         block = None if self._deferred else (block_ms or None)
-        entries, cutoff = self._xread({s: ">" for s in self._expect}, block)
+        read, cutoff = self._xread({s: ">" for s in self._expect}, block)
         if self._deferred:
-            entries = sorted(self._deferred + entries, key=lambda e: parse_id(e[1]))
-        entries, self._deferred = _up_to(entries, cutoff)
-        return entries
+            read = sorted(self._deferred + read, key=_ID)
+        now, self._deferred = _up_to(read, cutoff)
+        return [entry for _, entry in now]
 
     def _taken_back(self, unapplied: int = 0) -> bool:
         """Read again, from the backlog, entries of this consumer's name that it neither
@@ -333,16 +338,17 @@ class Admission:
         return True
 
     def _xread(self, names: dict[str, str],
-               block_ms: int | None) -> tuple[list, tuple[int, int] | None]:
-        """The entries read, sorted by id, and the lowest last id of a stream whose read
-        was cut at `read_count` (None if none was)."""
+               block_ms: int | None) -> tuple[list[_Read], tuple[int, int] | None]:
+        """The entries read with their ids parsed (`_Read`), sorted by id, and the lowest
+        last id of a stream whose read was cut at `read_count` (None if none was)."""
         entries = streams.read_group(self.r, self.group, self.name, names, count=self.read_count,
                                      block_ms=block_ms)
+        read = [(parse_id(e.id), e) for e in entries]
         per_stream = Counter(e.stream for e in entries)
-        cut = [max(parse_id(e.id) for e in entries if e.stream == name)
+        cut = [max(key for key, e in read if e.stream == name)
                for name, n in per_stream.items() if n >= self.read_count]
-        entries.sort(key=lambda e: parse_id(e.id))
-        return entries, min(cut, default=None)
+        read.sort(key=_ID)
+        return read, min(cut, default=None)
 
     # ------------------------------------------------------------------ transitions
 
@@ -589,9 +595,9 @@ class Admission:
         """Pack the step's admitted groups and append its Ready and Record."""
         cfg = self.config.scheduler
         keys = [key for g in emit.groups for key in g.samples]
-        rollouts = self._rollouts(txn, keys)
-        groups = [Group.from_rollouts(g.group, [rollouts[key] for key in g.samples])
-                  for g in emit.groups]
+        names = [member(key) for key in keys]
+        rollouts = iter(self._rollouts(txn, keys, names))
+        groups = [Group.from_rollouts(g.group, [next(rollouts) for _ in g.samples]) for g in emit.groups]
         rec = emit.record
         try:
             packed = pack(groups, rows=cfg.rows, width=cfg.width, estimator=cfg.estimator,
@@ -611,11 +617,13 @@ class Admission:
             self.stats["emitted"] += 1
             txn.observe.append(lambda m: m.observe_record(ready_record.scheduler_record(), shard=self.shard,
                                                           **ready_record.extra))
-        self._unhold(txn, keys)
-        live = self.sched.live_groups()
-        for epoch, gid in list(self._held):
-            if epoch != self.sched.epoch or gid not in live:
-                self._unhold_group(txn, epoch, gid)
+        self._unhold(txn, keys, names)
+        # and the held results of every group the machine no longer tracks
+        self._drop_epochs(txn, keep=self.sched.epoch)
+        held = self._held.get(self.sched.epoch)
+        if held and not held.keys() <= (live := self.sched.live_groups()):
+            for gid in [gid for gid in held if gid not in live]:
+                self._unhold_group(txn, self.sched.epoch, gid)
 
     def _ready_error(self, txn: _Txn, step: int, error: str, epoch: int | None = None) -> None:
         """Fail `step` of `epoch` (default: the open one): the trainer waiting on it raises."""
@@ -629,48 +637,58 @@ class Admission:
         name = member(key)
         txn.bytes += len(payload)
         txn.held[name] = payload
-        self._held[(key.epoch, key.group)].add(name)
+        groups = self._held.get(key.epoch)
+        if groups is None:
+            groups = self._held[key.epoch] = {}
+        names = groups.get(key.group)
+        if names is None:
+            names = groups[key.group] = set()
+        names.add(name)
         self._decoded[name] = rollout
 
-    def _unhold(self, txn: _Txn, keys: Sequence[SampleKey]) -> None:
-        names = []
-        for key in keys:
-            held = self._held.get((key.epoch, key.group))
-            name = member(key)
+    def _unhold(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str] | None = None) -> None:
+        """Release the held results of `keys` (`names`: their members, when known)."""
+        released = []
+        for key, name in zip(keys, names if names is not None else map(member, keys), strict=True):
+            groups = self._held.get(key.epoch, _NONE_HELD)
+            held = groups.get(key.group)
             if held is not None and name in held:
                 held.discard(name)
                 if not held:
-                    del self._held[(key.epoch, key.group)]
-                names.append(name)
+                    del groups[key.group]
+                    if not groups:
+                        del self._held[key.epoch]
+                released.append(name)
                 txn.held[name] = None
                 self._decoded.pop(name, None)
-        if names:
-            txn.pipe.hdel(self.keys.held(self.shard), *names)
+        if released:
+            txn.pipe.hdel(self.keys.held(self.shard), *released)
 
     def _unhold_group(self, txn: _Txn, epoch: int, group: int) -> None:
-        self._unhold(txn, [parse_member(n) for n in self._held.get((epoch, group), ())])
+        names = list(self._held.get(epoch, {}).get(group, ()))
+        self._unhold(txn, [parse_member(n) for n in names], names)
 
     def _drop_epochs(self, txn: _Txn, keep: int | None) -> None:
-        for epoch, gid in list(self._held):
-            if epoch != keep:
+        for epoch in [epoch for epoch in self._held if epoch != keep]:
+            for gid in list(self._held.get(epoch, ())):
                 self._unhold_group(txn, epoch, gid)
 
-    def _rollouts(self, txn: _Txn, keys: Sequence[SampleKey]) -> dict[SampleKey, Rollout]:
-        """The held rollouts of `keys`: decoded when they were admitted by this process
-        (each result is decoded once), else (after a recovery) decoded from their held
-        payloads, those this transaction wrote, then Redis."""
-        decoded = self._decoded
-        found = ((k, decoded.get(member(k))) for k in keys)
-        out = {k: rollout for k, rollout in found if rollout is not None}
-        rest = [k for k in keys if k not in out]
-        staged = {k: txn.held[member(k)] for k in rest if txn.held.get(member(k)) is not None}
-        rest = [k for k in rest if k not in staged]
-        values = self.r.hmget(self.keys.held(self.shard), [member(k) for k in rest]) if rest else []
-        pairs = [*staged.items(), *zip(rest, values)]
-        for (key, _), payload in zip(pairs, self._held_payloads([v for _, v in pairs])):
+    def _rollouts(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str]) -> list[Rollout]:
+        """The held rollouts of `keys` (`names`: their members), in order: decoded when they
+        were admitted by this process (each result is decoded once), else (after a recovery)
+        decoded from their held payloads, those this transaction wrote, then Redis."""
+        out: list = list(map(self._decoded.get, names))
+        missing = [i for i, rollout in enumerate(out) if rollout is None]
+        if not missing:
+            return out
+        staged = [i for i in missing if txn.held.get(names[i]) is not None]
+        rest = [i for i in missing if txn.held.get(names[i]) is None]
+        values = self.r.hmget(self.keys.held(self.shard), [names[i] for i in rest]) if rest else []
+        pairs = [*((i, txn.held[names[i]]) for i in staged), *zip(rest, values)]
+        for (i, _), payload in zip(pairs, self._held_payloads([v for _, v in pairs])):
             if payload is None:
-                raise RuntimeError(f"shard {self.shard}: the held result of admitted {key} is missing")
-            out[key] = _rollout(payload)
+                raise RuntimeError(f"shard {self.shard}: the held result of admitted {keys[i]} is missing")
+            out[i] = _rollout(payload)
         return out
 
     def _held_payloads(self, values: Sequence[bytes | None]) -> list[bytes | None]:
@@ -826,14 +844,16 @@ class Admission:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _up_to(entries: list, cutoff: tuple[int, int] | None) -> tuple[list, list]:
-    """`entries` (sorted by id) split into those up to `cutoff` and those after it."""
+_Read = tuple[tuple[int, int], streams.Entry]  # an entry read, and its id parsed
+_ID = itemgetter(0)
+
+
+def _up_to(read: list[_Read], cutoff: tuple[int, int] | None) -> tuple[list[_Read], list[_Read]]:
+    """`read` (sorted by id) split into the entries up to `cutoff` and those after it."""
     if cutoff is None:
-        return entries, []
-    n = 0
-    while n < len(entries) and parse_id(entries[n][1]) <= cutoff:
-        n += 1
-    return entries[:n], entries[n:]
+        return read, []
+    n = bisect_right(read, cutoff, key=_ID)
+    return read[:n], read[n:]
 
 
 def _duration(timings: Mapping[str, float]) -> float | None:

@@ -69,15 +69,16 @@ def _mean(base: np.ndarray) -> np.float64:
     return np.add.reduce(base) / len(base)
 
 
-def _std(base: np.ndarray) -> np.float64:
-    """`base.std()` (population) of a float64 vector: numpy's own operations in its order
-    (sum, divide, subtract, square, sum, divide, root), without its dispatch."""
+def _normalised(base: np.ndarray, eps: float) -> np.ndarray:
+    """`(base - base.mean()) / (base.std() + eps)` of a float64 vector: numpy's own
+    operations in its order (the mean: sum, divide; the population std: subtract, square,
+    sum, divide, root), without its dispatch, the deviations from the mean computed once."""
     d = base - _mean(base)
-    return np.sqrt(np.add.reduce(d * d) / len(base))
+    return d / (np.sqrt(np.add.reduce(d * d) / len(base)) + eps)
 
 
 ESTIMATORS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
-    "group": lambda base, eps: (base - _mean(base)) / (_std(base) + eps),
+    "group": _normalised,
     "group_mean": lambda base, eps: base - _mean(base),
     "rloo": _rloo,
 }
@@ -102,12 +103,16 @@ def check_policy(estimator: str, truncation: str) -> None:
         raise ValueError(f"truncation must be one of {tuple(TRUNCATIONS)}, got {truncation!r}")
 
 
+_COMPLETED = Status.COMPLETED
+
+
 def training_reward(status: Status, reward: float | None, truncation: str) -> float | None:
     """The reward a rollout trains on, or None when it is masked (does not train).
 
     Raises ValueError for rollouts that cannot be admitted as they are.
     """
-    status = Status(status)
+    if type(status) is not Status:  # a value of the enum, or its name's string
+        status = Status(status)
     if status is Status.COMPLETED:
         if reward is None:
             raise ValueError("a COMPLETED rollout has no reward: its verifier must score it")
@@ -131,7 +136,9 @@ def group_advantages(
     check_policy(estimator, truncation)
     if len(statuses) != len(rewards):
         raise ValueError(f"{len(statuses)} statuses for {len(rewards)} rewards")
-    used = [training_reward(s, r, truncation) for s, r in zip(statuses, rewards, strict=True)]
+    # a COMPLETED rollout with its reward (usually all of them) trains on it, as `training_reward` says
+    used = [float(r) if s is _COMPLETED and r is not None else training_reward(s, r, truncation)
+            for s, r in zip(statuses, rewards, strict=True)]
     if None not in used:  # every rollout trains: the baseline set is the group
         reported = np.array(used, dtype=np.float64)
         return GroupScores(rewards=reported, advantages=ESTIMATORS[estimator](reported, eps),

@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import MappingProxyType
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -54,9 +56,14 @@ from pipeline.chains import NO_VERSION, Chain, merge_calls
 from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status
 
 
-@dataclass(frozen=True)
+_FRESH: Mapping[str, float] = MappingProxyType({})  # a default of Rollout's: a new empty dict
+
+
+@dataclass(frozen=True, init=False)
 class Rollout:
-    """One admitted sample of a group: what `pack` needs of a session."""
+    """One admitted sample of a group: what `pack` needs of a session. (Its fields are set
+    directly: the admission makes one for every result, and a frozen dataclass's own
+    `__init__` sets each through `object.__setattr__`.)"""
 
     sample: int
     status: Status
@@ -65,6 +72,13 @@ class Rollout:
     components: Mapping[str, float] = field(default_factory=dict)
     truncation: str | None = None
     timings: Mapping[str, float] = field(default_factory=dict)
+
+    def __init__(self, sample: int, status: Status, chains: tuple[Chain, ...], reward: float | None = None,
+                 components: Mapping[str, float] = _FRESH, truncation: str | None = None,
+                 timings: Mapping[str, float] = _FRESH) -> None:
+        self.__dict__.update(sample=sample, status=status, chains=chains, reward=reward,
+                             components={} if components is _FRESH else components,
+                             truncation=truncation, timings={} if timings is _FRESH else timings)
 
     @classmethod
     def from_session(cls, sample: int, session: Session) -> Rollout:
@@ -82,6 +96,9 @@ class Rollout:
     @property
     def tokens(self) -> int:
         return sum(len(c) for c in self.chains)
+
+
+_SAMPLE = attrgetter("sample")
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,7 @@ class Group:
     @classmethod
     def from_rollouts(cls, group: int, rollouts: Iterable[Rollout]) -> Group:
         """A group of `rollouts` (already chains, e.g. `wire.Result.rollout()`), in sample order."""
-        return cls(group, tuple(sorted(rollouts, key=lambda r: r.sample)))
+        return cls(group, tuple(sorted(rollouts, key=_SAMPLE)))
 
     @property
     def tokens(self) -> int:
@@ -183,6 +200,13 @@ class PackedBatch:
             cached = self._cells[name] = _CELLS[name](self)
         return cached
 
+    @cached_property
+    def completion_cells(self) -> np.ndarray:
+        """The packed chains' loss masks end to end, as `cells` lays them out: every
+        completion token, whether its rollout trains or not (`cells("loss_mask")` has those
+        that train)."""
+        return _cat([c.loss_mask for c in self._chains], bool)
+
     @property
     def cut(self) -> int:
         """Complete groups left out because they did not fit beside the groups before them."""
@@ -245,6 +269,8 @@ def check_support(source_is_filtered: bool, support_capacity: int | None) -> Non
         )
 
 
+# one chain of a group: (length, rollout index in the group, chain index, the chain)
+_Item = tuple[int, int, int, Chain]
 # where one chain went: (row, start column, segment id, rollout index, chain index, length,
 # the chain); the rollout index counts the packed groups' rollouts in packing order
 _Placement = tuple[int, int, int, int, int, int, Chain]
@@ -284,16 +310,23 @@ class _Rows:
         insort(self.keys, self.free[row] * self.n + row)
 
 
-def _place_group(rows: _Rows, group: Group, first_rollout: int) -> list[_Placement] | None:
-    """Place the group's non-empty chains, longest first; None (rows untouched) if any fails.
-    `first_rollout` is the rollout index of the group's first rollout."""
+def _chain_items(group: Group) -> list[_Item]:
+    """The group's chains as (length, rollout index in the group, chain index, chain),
+    longest first (equal lengths in rollout then chain order)."""
     items = [(len(c), ri, ci, c) for ri, r in enumerate(group.rollouts) for ci, c in enumerate(r.chains)]
-    items.sort(key=lambda it: -it[0])
+    items.sort(key=itemgetter(0), reverse=True)  # stable: equal lengths keep their order
+    return items
+
+
+def _place_group(rows: _Rows, items: list[_Item], first_rollout: int) -> list[_Placement] | None:
+    """Place a group's non-empty chains (`_chain_items`), longest first; None (rows
+    untouched) if any fails. `first_rollout` is the rollout index of the group's first rollout."""
     placed: list[_Placement] = []
+    place = rows.place
     for length, ri, ci, c in items:
         if not length:
             break
-        spot = rows.place(length)
+        spot = place(length)
         if spot is None:
             for p in reversed(placed):
                 rows.unplace(p[0], p[5])
@@ -362,14 +395,17 @@ def pack(
     cut: list[int] = []
     refused: list[Refusal] = []
     for group in groups:
-        reason = _refusal(group, width, support_capacity)
-        if reason is not None:
-            refused.append(Refusal(group.group, reason))
-            continue
+        items = _chain_items(group)
+        # a chain too long or with a support is why a group is refused, if any is (in order)
+        if (items and items[0][0] > width) or any(it[3].support is not None for it in items):
+            reason = _refusal(group, width, support_capacity)
+            if reason is not None:
+                refused.append(Refusal(group.group, reason))
+                continue
         scores = _scores(group, estimator, truncation, eps)
-        placed = _place_group(free, group, n_rollouts)
+        placed = _place_group(free, items, n_rollouts)
         if placed is None:
-            if _place_group(_Rows(rows, width), group, 0) is None:
+            if _place_group(_Rows(rows, width), items, 0) is None:
                 refused.append(
                     Refusal(
                         group.group, f"group of {group.tokens} tokens does not fit {rows} rows of {width}"
@@ -469,10 +505,13 @@ def _chain_cells(attr: str, dtype: type | np.dtype) -> Callable[[PackedBatch], n
 
 
 def _loss_cells(batch: PackedBatch) -> np.ndarray:
-    """The completion tokens of the rollouts that train."""
+    """The completion tokens of the rollouts that train: the chains' loss masks
+    (`completion_cells`) when every rollout trains."""
+    completion = batch.completion_cells
+    if batch.rollout_trained.all():
+        return completion
     table = batch.segment_table
-    trained = np.repeat(batch.rollout_trained[table.rollout], table.length)
-    return _cat([c.loss_mask for c in batch._chains], bool) & trained
+    return completion & np.repeat(batch.rollout_trained[table.rollout], table.length)
 
 
 def _advantage_cells(batch: PackedBatch) -> np.ndarray:

@@ -55,19 +55,30 @@ def _merge_ratio(rollouts: Sequence[Rollout]) -> float:
     return 1.0 - sum(len(c) for c in chains) / call_tokens if call_tokens else 0.0
 
 
-def _masking(groups: Sequence[Group], packed: PackedBatch) -> dict[str, float]:
+def _masking(groups: Sequence[Group], rollouts: Sequence[Rollout], packed: PackedBatch) -> dict[str, float]:
     """Share of rollouts, and of their completion tokens, that do not train."""
-    trained = dict(zip(zip(packed.rollout_group.tolist(), packed.rollout_sample.tolist(), strict=True),
-                       packed.rollout_trained.tolist(), strict=True))
-    rollouts = [r for g in groups for r in g.rollouts]
-    masked = [r for g in groups for r in g.rollouts if not trained.get((g.group, r.sample), True)]
+    if len(rollouts) == len(packed.rollout_group):  # these are the packed rollouts (usually)
+        completion = int(np.count_nonzero(packed.completion_cells))  # their chains' (empty ones aside)
+        if packed.rollout_trained.all():
+            masked: list[Rollout] = []
+        else:
+            masked = _masked(groups, packed)
+    else:  # a group id admitted twice, one of them not packed: each rollout by its key
+        completion = _completion_tokens(rollouts)
+        masked = _masked(groups, packed)
     out: dict[str, float] = {}
     if rollouts:
         out["masked_share"] = len(masked) / len(rollouts)
-    completion = _completion_tokens(rollouts)
     if completion:
-        out["masked_token_share"] = _completion_tokens(masked) / completion
+        out["masked_token_share"] = (_completion_tokens(masked) if masked else 0) / completion
     return out
+
+
+def _masked(groups: Sequence[Group], packed: PackedBatch) -> list[Rollout]:
+    """The rollouts of `groups` that do not train, by (group, sample) in `packed`."""
+    trained = dict(zip(zip(packed.rollout_group.tolist(), packed.rollout_sample.tolist(), strict=True),
+                       packed.rollout_trained.tolist(), strict=True))
+    return [r for g in groups for r in g.rollouts if not trained.get((g.group, r.sample), True)]
 
 
 def _completion_tokens(rollouts: Sequence[Rollout]) -> int:
@@ -121,7 +132,7 @@ def session_metrics(admitted: Sequence[Group], packed: PackedBatch, *, updates: 
     if rollouts:
         for status in _STATUSES:
             out[f"share_{status.value}"] = sum(r.status is status for r in rollouts) / len(rollouts)
-    out.update(_masking(groups, packed))
+    out.update(_masking(groups, rollouts, packed))
     out.update(_rewards(rollouts))
     out.update(_latency(rollouts))
     out.update(_token_lag(packed, updates))

@@ -179,6 +179,10 @@ class Metrics:
         self.groups_surplus = counter(
             "groups_surplus_total", "Groups cut untrained when their batch reached `admit` "
             "(batch admission).", ("shard",))
+        self.samples_backed_up = counter(
+            "samples_backed_up_total", "Extra rollouts queued as backups of a group's "
+            "stragglers (stream admission, oversample_start=straggler; capped by "
+            "backup_limit), from the SchedulerRecords.", ("shard",))
         self.rollouts_overlong = counter(
             "rollouts_overlong_total", "Results with a chain longer than a packed row, cut "
             "to the row width and admitted as TRUNCATED (they train under the truncation "
@@ -316,7 +320,8 @@ class Metrics:
         """Make the counters a shard may leave at zero for a long time exist at 0 (a series
         that appears only at its first increment hides that first increment from rate())."""
         s = str(shard)
-        for counter in (self.rollouts_overlong, self.groups_refused, self.groups_surplus):
+        for counter in (self.rollouts_overlong, self.groups_refused, self.groups_surplus,
+                        self.samples_backed_up):
             counter.labels(s)
 
     def set_in_flight(self, shard: int, samples: int) -> None:
@@ -326,7 +331,8 @@ class Metrics:
                        surplus: int = 0, overlong: int = 0) -> None:
         """The scheduler's side of one packed step of `shard` (the admission consumer).
 
-        Counters: admitted/abandoned/cut/refused/surplus groups, resubmissions by cause. Histogram: the
+        Counters: admitted/abandoned/cut/refused/surplus groups, resubmissions by cause,
+        straggler backups queued. Histogram: the
         step's lag. Gauges: every finite key of `record.metrics` in `rollstream_step_metric`.
         `record.cancelled` is not re-counted: the cancels are counted with their reasons as
         they happen (`observe_actions`). The trainer's side of the same step (steps,
@@ -338,6 +344,7 @@ class Metrics:
         self.groups_cut.labels(s).inc(record.cut)
         self.groups_refused.labels(s).inc(refused)
         self.groups_surplus.labels(s).inc(surplus)
+        self.samples_backed_up.labels(s).inc(record.backups)
         for cause, n in record.resubmitted.items():
             if n:
                 self.samples_resubmitted.labels(s, cause).inc(n)

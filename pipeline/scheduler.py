@@ -92,7 +92,8 @@ class SchedulerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     as surplus, stale or abandoned; abandoned counts groups given up after max_attempts; cut
     counts complete groups left out because their chains did not fit the batch's rows;
     waited is the seconds the trainer waited; metrics is session_metrics over the admitted
-    rollouts and their packed batch.
+    rollouts and their packed batch; backups counts extra rollouts queued as backups of a
+    group's stragglers (stream mode, oversample_start="straggler").
 
     A typed struct (msgspec): the one definition of these fields, which the `Ready` a trainer
     receives carries (`pipeline.ready.ReadyRecord` adds what packing and admission know) and
@@ -108,6 +109,7 @@ class SchedulerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cut: int
     waited: float
     metrics: dict[str, float] = {}
+    backups: int = 0
 
     def fields(self) -> dict[str, Any]:
         """The record as a dict of its fields (JSON-able)."""
@@ -696,6 +698,7 @@ class Scheduler:
         for sample in group.samples[self.config.groups:]:
             if sample.state == _IDLE and sample.attempt < 0:
                 self._resubmit.append((group, sample, None))
+                self._counts["backups"] += 1
 
     def _resubmit_sample(self, group: _Group, sample: _Sample, cause: str, out: list[Action]) -> None:
         self._resubmitted[cause] += 1
@@ -821,6 +824,7 @@ class Scheduler:
             abandoned=sum(d.cause != "surplus" for d in dropped),
             cut=0,
             waited=max(0.0, self._now - self._handover_at),
+            backups=self._counts["backups"],
         )
         self._counts.clear()
         self._resubmitted.clear()

@@ -708,7 +708,8 @@ class Ready(_ShardMessage):
 
 @_message("record", **_SHARD, step=_int, updates=_int, version=_int, lag=_int, groups=_int,
           resubmitted=_map(_int), cancelled=_int, abandoned=_int, cut=_int,
-          waited=_nonneg_float, metrics=_map(_float), refused=_int, surplus=_int, overlong=_int)
+          waited=_nonneg_float, metrics=_map(_float), refused=_int, surplus=_int, overlong=_int,
+          backups=_int)
 @dataclass(frozen=True, eq=False)
 class Record(_ShardMessage):
     """The SchedulerRecord of one trainer call, with what packing and admission add:
@@ -728,6 +729,7 @@ class Record(_ShardMessage):
     refused: int = 0
     surplus: int = 0
     overlong: int = 0
+    backups: int = 0
 
     ADDED: ClassVar[frozenset[str]] = frozenset({"refused", "surplus", "overlong"})
 

@@ -44,6 +44,7 @@ EXPECTED = {
     "rollstream_groups_cut": "counter",
     "rollstream_groups_refused": "counter",
     "rollstream_groups_surplus": "counter",
+    "rollstream_samples_backed_up": "counter",
     "rollstream_rollouts_overlong": "counter",
     "rollstream_admitted_lag_updates": "histogram",
     "rollstream_session_duration_seconds": "histogram",
@@ -148,9 +149,10 @@ def test_scrape_has_every_family_with_its_type(metrics, server):
 def test_observe_record_moves_the_right_series(metrics, server):
     metrics.observe_record(record(), shard=3)
     metrics.observe_record(record(lag=0, groups=2, resubmitted={"stale": 1}, abandoned=0, cut=0, waited=12.0,
-                                  metrics={}), shard=3)
+                                  metrics={}, backups=4), shard=3)
     fams = scrape(server.url)
     s = {"shard": "3"}
+    assert value(fams, "rollstream_samples_backed_up", "rollstream_samples_backed_up_total", **s) == 4
     assert value(fams, "rollstream_groups_admitted", "rollstream_groups_admitted_total", **s) == 5
     assert value(fams, "rollstream_groups_abandoned", "rollstream_groups_abandoned_total", **s) == 1
     assert value(fams, "rollstream_groups_cut", "rollstream_groups_cut_total", **s) == 1

@@ -609,6 +609,7 @@ def test_backup_limit_backs_up_the_groups_with_the_oldest_members_first(limit):
     acts = d.finish(backups[0].key, oldest=1)  # g0's backup wins: its straggler is surplus
     assert Cancel(slow0, "surplus") in of(Cancel, acts)
     (emit,) = of(Emit, acts)
+    assert emit.record.backups == 1  # counted in the step after it was queued
     (late,) = of(Submit, d.handover(1, updates=1))  # room again: g1 is backed up now
     assert (late.key.group, late.key.sample) == (g1, 2) and slow1 in d.running()
 

@@ -908,6 +908,10 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
     come from the scheduler). Input from other processes is always decoded strictly."""
     if not isinstance(msg, Message):
         raise TypeError(f"not a message: {_tn(msg)}")
+    if trusted and type(msg) is Work:
+        data = _work_bytes(msg)  # None: not of the usual shape, or refused (the general path says why)
+        if data is not None and len(data) <= max_bytes:
+            return data
     if trusted and not isinstance(msg, _TRUSTED):
         raise TypeError(f"only {', '.join(t.KIND for t in _TRUSTED)} may be encoded unchecked, "
                         f"not {msg.KIND}")
@@ -922,6 +926,52 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
     if len(data) > max_bytes:
         raise SchemaError("message", f"{len(data)} bytes exceeds the limit of {max_bytes}")
     return data
+
+
+def _work_bytes(work: Work) -> bytes | None:
+    """`encode(work, trusted=True)`'s bytes, built straight from the fields when they are of
+    the usual shape: ints, a `Task` with a str id and a payload of plain values (`_plain`), a
+    float or None deadline, a str or None cause. None for anything else, and for what cannot
+    be packed: the general path then encodes it, or refuses it, as it always did."""
+    d = work.__dict__
+    shard, epoch, group, sample, attempt, task, version, deadline, cause = _WORK_GET(d)
+    if not (type(shard) is int and type(epoch) is int and type(group) is int and type(sample) is int
+            and type(attempt) is int and type(version) is int and type(task) is Task
+            and (deadline is None or type(deadline) is float) and (cause is None or type(cause) is str)):
+        return None
+    task_id, payload = task.id, task.payload
+    if type(task_id) is not str or type(payload) is not dict or (payload and not _plain(payload, 0)):
+        return None
+    try:
+        return _ENCODER.encode({  # msgpack.packb's bytes, of these plain values, in `_wire`'s order
+            "v": SCHEMA_VERSION, "k": "work", "shard": shard, "epoch": epoch, "group": group,
+            "sample": sample, "attempt": attempt, "task": {"id": task_id, "payload": payload},
+            "submitted_version": version, "deadline": deadline, "cause": cause})
+    except (ValueError, TypeError, OverflowError, msgspec.EncodeError):  # a lone surrogate, an int too large
+        return None
+
+
+_WORK_GET = itemgetter("shard", "epoch", "group", "sample", "attempt", "task", "submitted_version",
+                       "deadline", "cause")
+_PLAIN_DEPTH = 8  # nesting `_plain` follows; deeper payloads take the general path
+_KEYS = frozenset({str})
+
+
+def _plain(v: dict | list | tuple, depth: int) -> bool:
+    """Whether `v` (a dict, list or tuple) holds only what `_wire` leaves as it is (None and
+    `_SCALARS`, str keys), or dicts, lists and tuples of them (which it copies, and msgpack
+    packs alike), nested at most `_PLAIN_DEPTH` deep."""
+    values = v.values() if type(v) is dict else v
+    if type(v) is dict and not _KEYS.issuperset(map(type, v)):
+        return False
+    if _PLAIN.issuperset(map(type, values)):
+        return True
+    if depth >= _PLAIN_DEPTH:
+        return False
+    return all(x is None or type(x) in _SCALARS or (type(x) in _NESTED and _plain(x, depth + 1)) for x in values)
+
+
+_NESTED = frozenset({dict, list, tuple})
 
 
 def decode(data: bytes | bytearray | memoryview, expect: type | tuple[type, ...] | None = None, *,

@@ -302,29 +302,13 @@ _GATHER = 512  # buffers per sendmsg, within every system's IOV_MAX (1024 on Lin
 
 def exec_replies(conn: redis.connection.Connection, n: int) -> list | None:
     """The EXEC reply of a MULTI, `n` commands, EXEC just sent on `conn` (None: refused by
-    a WATCH); a command refused while queued raises its error, as redis-py does.
-
-    MULTI's OK and the commands' QUEUED replies are read from the connection's parser in
-    one loop, with what `Connection.read_response` does around each of its reads (the
-    parser's defaults are the arguments it passes): a timeout, a socket error or any other
-    exception closes the connection and raises as there, an error reply is that command's
-    error. EXEC's reply is read by `read_response` itself."""
+    a WATCH); a command refused while queued raises its error, as redis-py does."""
     errors: list[redis.exceptions.ResponseError] = []
-    read = conn._parser.read_response
-    try:
-        for _ in range(n + 1):  # MULTI's OK, then QUEUED for each command
-            reply = read()
-            if isinstance(reply, redis.exceptions.ResponseError):
-                errors.append(reply)
-    except socket.timeout as exc:
-        conn.disconnect()
-        raise redis.exceptions.TimeoutError(f"Timeout reading from {conn._host_error()}") from exc
-    except OSError as exc:
-        conn.disconnect()
-        raise redis.exceptions.ConnectionError(f"Error while reading from {conn._host_error()} : {exc.args}") from exc
-    except BaseException:
-        conn.disconnect()
-        raise
+    for _ in range(n + 1):  # MULTI's OK, then QUEUED for each command
+        try:
+            conn.read_response()
+        except redis.exceptions.ResponseError as exc:
+            errors.append(exc)
     try:
         return conn.read_response()
     except redis.exceptions.ExecAbortError:

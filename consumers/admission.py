@@ -207,6 +207,7 @@ class Admission:
         }
         self._next_reclaim = 0.0
         self._next_taken_back = 0.0
+        self._unapplied = 0  # entries of the batch being applied not applied yet (`_transitions`)
         self._next_trim = time.monotonic() + config.trim_every_s
         self.outage = Outage(f"admission shard {self.shard}", config.redis.reconnect_s)
         check(self.r, config.redis)
@@ -327,8 +328,7 @@ class Admission:
         unapplied, and `>` never returns it. Checked every `shard_lease_s / 2` and before an
         event is refused (a handover whose batch's registration such a read took). True when there
         were some: the backlog, in id order, is read next."""
-        taken = streams.pending_of(self.r, list(self._expect), self.group, self.name) \
-            - len(self._deferred) - unapplied
+        taken = self._taken(unapplied)
         if taken <= 0:
             return False
         log.warning("shard %d: %d input entries pending here were read by a consumer that lost "
@@ -336,6 +336,12 @@ class Admission:
         self.stats["taken_back"] += taken
         self._deferred, self._backlog = [], True  # the backlog read returns the deferred too
         return True
+
+    def _taken(self, unapplied: int) -> int:
+        """Input entries pending under this consumer's name that it neither applied nor holds
+        back: read by a predecessor that lost the shard (`_taken_back`)."""
+        return streams.pending_of(self.r, list(self._expect), self.group, self.name) \
+            - len(self._deferred) - unapplied
 
     def _xread(self, names: dict[str, str],
                block_ms: int | None) -> tuple[list[_Read], tuple[int, int] | None]:
@@ -357,6 +363,7 @@ class Admission:
         done = 0
         results = self._results(entries)
         for i, (stream, entry_id, fields) in enumerate(entries):
+            self._unapplied = len(entries) - i
             try:
                 self._input(txn, stream, entry_id, fields, results[i])
             except ProtocolError as exc:
@@ -436,6 +443,12 @@ class Admission:
         if msg.epoch > self.sched.epoch:
             raise ProtocolError(f"{msg.KIND} of epoch {msg.epoch} while epoch {self.sched.epoch} is open")
         if isinstance(msg, wire.Registration):
+            after = self.sched.last_batch
+            if 0 <= after < msg.batch - 1 and self._taken(self._unapplied) > 0:
+                # a predecessor that lost the shard read the batches between: they come
+                # first (refused here, they are read again from the backlog, in id order)
+                raise ProtocolError(f"batch {msg.batch} registered before batch {after + 1} in "
+                                    f"epoch {msg.epoch}, which a consumer that lost the shard read")
             return Register(msg.batch, msg.tasks)
         if msg.step == self.sched.pending_step:
             return f"step {msg.step} is already pending"

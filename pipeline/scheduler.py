@@ -324,6 +324,11 @@ class Scheduler:
         return sum(len(group.samples) for group in self._groups.values())
 
     @property
+    def last_batch(self) -> int:
+        """The last batch registered in the open epoch (-1: none yet)."""
+        return self._last_batch
+
+    @property
     def pending_step(self) -> int | None:
         """The step the trainer waits for, if any."""
         return self._pending

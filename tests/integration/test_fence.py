@@ -120,3 +120,32 @@ def test_entries_a_fenced_predecessor_read_are_applied_by_the_replacement(thread
     trainer.handover()
     trainer.writer.wait_ready(0, 2, 20)
     assert r.xlen(keys.dead) == 0
+
+
+@pytest.mark.parametrize("redis_url", ["server", "embedded"], indirect=True)
+def test_a_registration_after_one_a_predecessor_read_waits_for_it(threads, r, keys):
+    """The predecessor read batch 1's registration; the replacement then reads batch 2's,
+    and its handovers after. Batch 2 must not be registered before batch 1 (batch 1 would
+    then be refused as registered out of order, and step 1 fail): the gap sends the
+    replacement to its backlog first. The periodic check is minutes away here, so only the
+    gap can find batch 1."""
+    admission = threads.admission(shard=0, shard_lease_s=600.0, block_ms=20, scheduler=SCHEDULER)
+    threads.consumer(ScriptedSource(default={"duration_s": 0.002}), slots=4, block_ms=20)
+    trainer = Trainer(r, keys, tasks=2, ahead=0)
+    trainer.open()
+    trainer.handover()
+    trainer.writer.wait_ready(0, 0, 20)
+
+    def registration(batch: int) -> dict:
+        return wire.to_fields(wire.Registration(0, 0, batch, tuple(tasks_of(batch, 2))))
+
+    pipe = r.pipeline(transaction=True)  # batch 1 read under the admission's name, then batch 2
+    pipe.xadd(keys.tasks(0), registration(1))
+    pipe.xreadgroup(admission_group(0), admission.name, {keys.tasks(0): ">"}, count=10)
+    pipe.xadd(keys.tasks(0), registration(2))
+    assert [len(entries) for _, entries in pipe.execute()[1]] == [1]
+    for step in (1, 2):
+        trainer.handover()
+        trainer.writer.wait_ready(0, step, 20)
+    assert admission.stats["taken_back"] == 1
+    assert r.xlen(keys.dead) == 0

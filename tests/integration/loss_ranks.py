@@ -76,6 +76,7 @@ def main() -> None:
         arrays = {f"{kind}/{name}": t.detach().float().numpy()
                   for kind, state in results.items() for name, t in state.items()}
         np.savez(out / f"weights-{world}.npz", **arrays)
+    dist.barrier()  # every rank done before any tears its groups down
     dist.destroy_process_group()
 
 

@@ -260,10 +260,11 @@ _RUNNING, _IDLE, _ADMITTED, _DEAD, _SURPLUS = range(5)
 
 
 class _Sample:
-    __slots__ = ("index", "attempt", "failures", "state", "submitted_version", "oldest")
+    __slots__ = ("index", "attempt", "failures", "state", "submitted_version", "oldest", "key")
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.key: SampleKey | None = None  # its attempt's key, once made (`Scheduler._key`)
         self.attempt = -1
         self.failures = 0
         self.state = _IDLE
@@ -630,6 +631,8 @@ class Scheduler:
 
     def _backfill(self, out: list[Action]) -> None:
         """Stream mode: spend credits, resubmissions first, then whole new groups."""
+        if not (self._resubmit or self._tasks or self._held_credits):
+            return  # nothing to spend credits on, nor any held to release
         if self._held_credits:
             self._release_held()
         while self._resubmit and (self.credits > 0 or self._held_credits):
@@ -717,7 +720,7 @@ class Scheduler:
         sample.attempt += 1
         sample.state = _RUNNING
         sample.submitted_version = self.served
-        key = self._key(group, sample)
+        key = sample.key = SampleKey(self.epoch, group.id, sample.index, sample.attempt)
         deadline = None
         if self.config.timeout_s is not None:
             deadline = self._now + self.config.timeout_s
@@ -729,7 +732,12 @@ class Scheduler:
     # -------------------------------------------------------------- cancellation
 
     def _key(self, group: _Group, sample: _Sample) -> SampleKey:
-        return SampleKey(self.epoch, group.id, sample.index, sample.attempt)
+        """The key of `sample`'s attempt, made once per attempt (its attempt changes only in
+        `_submit`, which makes the new one; the epoch and group never change under it)."""
+        key = sample.key
+        if key is None:
+            key = sample.key = SampleKey(self.epoch, group.id, sample.index, sample.attempt)
+        return key
 
     def _end_running(self, key: SampleKey, action: Cancel, out: list[Action]) -> None:
         group, _ = self._running.pop(key)

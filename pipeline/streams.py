@@ -19,13 +19,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from itertools import chain
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import redis
 
 from pipeline import wire
-from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, raw_replies, text, transaction_then
+from pipeline.redis_io import (
+    FATAL,
+    RETRYABLE,
+    Outage,
+    next_id,
+    parse_id,
+    raw_replies,
+    text,
+    transaction_then,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +151,7 @@ def append(r: Client, stream: str, fields: Mapping[bytes | str, Any]) -> Any:
 def xadd_args(stream: str, fields: Mapping[bytes | str, Any]) -> tuple:
     """The arguments of `append`'s XADD (an id Redis makes), for a transaction written at once
     (`redis_io.transaction`)."""
-    return ("XADD", stream, "*", *(part for pair in fields.items() for part in pair))
+    return ("XADD", stream, "*", *chain.from_iterable(fields.items()))
 
 
 def ack(r: Client, stream: str, group: str, *ids: bytes | str) -> Any:

@@ -144,7 +144,7 @@ class Handover:
     published: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Finish:
     """A rollout's result: its status, reward, oldest call's version (None: no calls) and,
     when the source raised instead of returning a status, the traceback in `error`."""
@@ -154,6 +154,14 @@ class Finish:
     reward: float | None = None
     oldest_version: int | None = None
     error: str | None = None
+
+    def __init__(self, key: SampleKey, status: Status, reward: float | None = None,
+                 oldest_version: int | None = None, error: str | None = None) -> None:
+        # the fields written as a frozen dataclass's own __init__ sets them, without its
+        # `object.__setattr__` per field (one event per result)
+        fields = self.__dict__
+        fields["key"], fields["status"], fields["reward"] = key, status, reward
+        fields["oldest_version"], fields["error"] = oldest_version, error
 
 
 @dataclass(frozen=True)
@@ -178,13 +186,20 @@ Event = Union[Open, Register, Handover, Finish, Publish, Tick, Close]
 # ---------------------------------------------------------------------------- actions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Submit:
     key: SampleKey
     task: Task
     submitted_version: int
     deadline: float | None
     cause: str | None  # None for a first attempt, else one of CAUSES
+
+    def __init__(self, key: SampleKey, task: Task, submitted_version: int, deadline: float | None,
+                 cause: str | None) -> None:
+        # as `Finish.__init__` (one action per attempt)
+        fields = self.__dict__
+        fields["key"], fields["task"], fields["submitted_version"] = key, task, submitted_version
+        fields["deadline"], fields["cause"] = deadline, cause
 
 
 @dataclass(frozen=True)

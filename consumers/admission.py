@@ -251,7 +251,6 @@ class Admission:
         self._next_reclaim = 0.0
         self._next_taken_back = 0.0
         self._unapplied = 0  # entries of the batch being applied not applied yet (`_transitions`)
-        self._ahead: streams.ReadAhead | None = None  # the next read, sent, not yet taken (`_read`)
         self._next_trim = time.monotonic() + config.trim_every_s
         self.outage = Outage(f"admission shard {self.shard}", config.redis.reconnect_s)
         check(self.r, config.redis)
@@ -317,7 +316,6 @@ class Admission:
         streams.ensure_group(self.r, k.ready(self.shard), TRAINER_GROUP)
         journal.check_config(self.r, k, self.shard, self.config.scheduler)
         self._rebuild()
-        self._drop_ahead()  # what it delivered is pending: the backlog read returns it
         self._backlog = True  # read this consumer's own pending inputs first
         self._deferred: list[_Read] = []  # read, pending, not yet applied
         self._finish_reclaimed(self._own_work())
@@ -352,35 +350,18 @@ class Admission:
         A stream whose read returned `read_count` entries may hold more before the entries
         the other streams returned (a backlog of results behind a handover): only the
         entries up to the last id of such a stream are applied now. The rest stay pending:
-        a backlog read (`0`) returns them again, new entries (`>`) wait in `_deferred`.
-
-        Read ahead: when a stream's read was cut, the next read of new entries is sent at
-        once, on a connection of its own, and taken by the next call: Redis reads while this
-        process applies the entries it has (they are then delivered before this batch's
-        commit, as any read's entries are before their commit: pending until applied)."""
+        a backlog read (`0`) returns them again, new entries (`>`) wait in `_deferred`."""
         if self._backlog:
             read, cutoff = self._xread({s: "0" for s in self._expect}, None)
             if read:
                 return [entry for _, entry in _up_to(read, cutoff)[0]]
             self._backlog = False
-        if self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
-            read, cutoff = self._sorted(ahead.entries())
-        else:
-            block = None if self._deferred else (block_ms or None)
-            read, cutoff = self._xread(self._new, block)
+        block = None if self._deferred else (block_ms or None)
+        read, cutoff = self._xread(self._new, block)
         if self._deferred:
             read = sorted(self._deferred + read, key=_ID)
         now, self._deferred = _up_to(read, cutoff)
-        if cutoff is not None:  # a stream holds more: its next read runs while these apply
-            self._ahead = streams.ReadAhead(self.r, self.group, self.name, self._new, count=self.read_count)
         return [entry for _, entry in now]
-
-    def _drop_ahead(self) -> None:
-        """Forget the read sent ahead: what it delivered stays pending here."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.close()
 
     def _taken_back(self, unapplied: int = 0) -> bool:
         """Read again, from the backlog, entries of this consumer's name that it neither
@@ -396,16 +377,14 @@ class Admission:
         log.warning("shard %d: %d input entries pending here were read by a consumer that lost "
                     "the shard; reading them again", self.shard, taken)
         self.stats["taken_back"] += taken
-        self._drop_ahead()
         self._deferred, self._backlog = [], True  # the backlog read returns the deferred too
         return True
 
     def _taken(self, unapplied: int) -> int:
         """Input entries pending under this consumer's name that it neither applied nor holds
         back: read by a predecessor that lost the shard (`_taken_back`)."""
-        ahead = len(self._ahead.entries()) if self._ahead is not None else 0  # delivered, not applied
         return streams.pending_of(self.r, list(self._expect), self.group, self.name) \
-            - len(self._deferred) - ahead - unapplied
+            - len(self._deferred) - unapplied
 
     def _xread(self, names: dict[str, str],
                block_ms: int | None) -> tuple[list[_Read], tuple[int, int] | None]:

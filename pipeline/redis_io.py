@@ -255,43 +255,6 @@ def raw_replies(r: redis.Redis, commands: Sequence[tuple]) -> list:
         return [conn.read_response() for _ in commands]
 
 
-class Sent:
-    """`commands` written now on a connection taken out of `r`'s pool, their replies read
-    later (`replies`): Redis runs them while the caller does other work. The connection goes
-    back to the pool once the replies are read; `close` drops it with them unread (closed, so
-    no later command reads them). An error reply raises from `replies`, and so does a lost
-    connection, which is closed."""
-
-    def __init__(self, r: redis.Redis, commands: Sequence[tuple]) -> None:
-        self._pool = r.connection_pool
-        self._conn: redis.connection.Connection | None = pool_connection(self._pool)
-        self._n = len(commands)
-        try:
-            send_commands(self._conn, commands)
-        except BaseException:
-            self.close()
-            raise
-
-    def replies(self) -> list:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            raise RuntimeError("the replies were already read, or dropped")
-        try:
-            return [conn.read_response() for _ in range(self._n)]
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            self._pool.release(conn)
-
-    def close(self) -> None:
-        """Drop the connection, its replies unread (nothing when they were read)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.disconnect()
-            self._pool.release(conn)
-
-
 @contextlib.contextmanager
 def _borrowed(r: redis.Redis) -> Iterator[redis.connection.Connection]:
     """A connection of `r`'s pool for a few commands written at once: back to the pool after,

@@ -30,7 +30,6 @@ from pipeline.redis_io import (
     FATAL,
     RETRYABLE,
     Outage,
-    Sent,
     next_id,
     parse_id,
     raw_replies,
@@ -77,35 +76,6 @@ def read_group(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, 
     hiredis's lists, no redis-py callbacks)."""
     [taken] = raw_replies(r, [_read_group_args(group, consumer, streams, count, block_ms)])
     return _raw_entries(taken)
-
-
-class ReadAhead:
-    """`read_group` without a block, written now on a connection of its own and taken later
-    (`entries`), so that Redis runs it while the caller works on what it read before. The
-    entries it returns are delivered (pending in the group) once Redis has run it, whether
-    they are taken or dropped with `close`: a reader that drops them reads them again as
-    its own pending entries (`0`)."""
-
-    def __init__(self, r: redis.Redis, group: str, consumer: str, streams: Mapping[str, str], *,
-                 count: int | None = None) -> None:
-        self._sent: Sent | None = Sent(r, [_read_group_args(group, consumer, streams, count, None)])
-        self._entries: list[Entry] | None = None
-
-    def entries(self) -> list[Entry]:
-        """The entries read (its reply waited for the first time; the same list after)."""
-        if self._entries is None:
-            sent, self._sent = self._sent, None
-            if sent is None:
-                raise RuntimeError("the read ahead was dropped")
-            [taken] = sent.replies()
-            self._entries = _raw_entries(taken)
-        return self._entries
-
-    def close(self) -> None:
-        """Drop the read: its reply, if not taken yet, is never read."""
-        sent, self._sent = self._sent, None
-        if sent is not None:
-            sent.close()
 
 
 def read_group_and_follow(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, str],

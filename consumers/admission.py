@@ -390,11 +390,8 @@ class Admission:
                block_ms: int | None) -> tuple[list[_Read], tuple[int, int] | None]:
         """The entries read with their ids parsed (`_Read`), sorted by id, and the lowest
         last id of a stream whose read was cut at `read_count` (None if none was)."""
-        return self._sorted(streams.read_group(self.r, self.group, self.name, names,
-                                               count=self.read_count, block_ms=block_ms))
-
-    def _sorted(self, entries: list[streams.Entry]) -> tuple[list[_Read], tuple[int, int] | None]:
-        """`_xread`'s answer for the entries of one read."""
+        entries = streams.read_group(self.r, self.group, self.name, names, count=self.read_count,
+                                     block_ms=block_ms)
         read = [(parse_id(e.id), e) for e in entries]
         per_stream = Counter(e.stream for e in entries)
         cut = [max(key for key, e in read if e.stream == name)

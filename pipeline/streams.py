@@ -19,23 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from itertools import chain
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 import redis
 
 from pipeline import wire
-from pipeline.redis_io import (
-    FATAL,
-    RETRYABLE,
-    Outage,
-    next_id,
-    parse_id,
-    raw_replies,
-    text,
-    transaction_then,
-)
+from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, raw_replies, text, transaction_then
 
 log = logging.getLogger(__name__)
 

@@ -138,13 +138,55 @@ REF = b"@"
 `results:{shard}` (a payload is a msgpack map, which never starts with it)."""
 
 
+class _Commands:
+    """The commands of a transaction, in order, each as the arguments redis-py's pipeline
+    would stack for the same call (so the same bytes go on the wire), without its command
+    machinery; `Fence.execute_commands` sends them."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self.stack)
+
+    def xadd(self, name: str, fields: Mapping[bytes, bytes]) -> None:
+        if not fields:  # as redis-py refuses it
+            raise redis.exceptions.DataError("XADD fields must be a non-empty dict")
+        self.stack.append(streams.xadd_args(name, fields))
+
+    def xack(self, name: str, group: str, *ids: bytes) -> None:
+        self.stack.append(("XACK", name, group, *ids))
+
+    def xdel(self, name: str, *ids: bytes) -> None:
+        self.stack.append(("XDEL", name, *ids))
+
+    def hset(self, name: str, key: str | None = None, value: bytes | None = None, *,
+             mapping: Mapping[str, bytes] | None = None) -> None:
+        pairs = [] if key is None else [key, value]
+        for pair in (mapping or {}).items():
+            pairs.extend(pair)
+        self.stack.append(("HSET", name, *pairs))
+
+    def hdel(self, name: str, *keys: str) -> None:
+        self.stack.append(("HDEL", name, *keys))
+
+    def zadd(self, name: str, mapping: Mapping[str, float]) -> None:
+        self.stack.append(("ZADD", name, *(part for member_, score in mapping.items() for part in (score, member_))))
+
+    def delete(self, *names: str) -> None:
+        self.stack.append(("DEL", *names))
+
+    def set(self, name: str, value: str, *, px: int) -> None:
+        self.stack.append(("SET", name, value, "PX", px))
+
+
 class _Txn:
     """One MULTI/EXEC being assembled: effects and journal entries in order, acks, and the
     held payloads it writes (so a step emitted in the same transaction can read them; they
     are written in one HSET at the end, less those the same transaction released)."""
 
-    def __init__(self, r: redis.Redis) -> None:
-        self.pipe = r.pipeline(transaction=True)
+    def __init__(self) -> None:
+        self.pipe = _Commands()
         self.observe: list[Callable[[Metrics], None]] = []  # metrics, applied once committed
         self.held: dict[str, bytes | None] = {}
         self.acks: dict[tuple[str, str], list[bytes]] = defaultdict(list)
@@ -152,8 +194,8 @@ class _Txn:
         self.bytes = 0  # payload bytes staged
 
     def xadd(self, stream: str, fields: dict[bytes, bytes]) -> None:
-        self.bytes += sum(len(v) for v in fields.values())
-        streams.append(self.pipe, stream, fields)
+        self.bytes += sum(map(len, fields.values()))
+        self.pipe.xadd(stream, fields)
 
     @property
     def transitions(self) -> int:
@@ -205,6 +247,7 @@ class Admission:
             k.results(self.shard): wire.Result,
             k.weights: wire.Weights,
         }
+        self._new = {stream: ">" for stream in self._expect}  # a read of new entries
         self._next_reclaim = 0.0
         self._next_taken_back = 0.0
         self._unapplied = 0  # entries of the batch being applied not applied yet (`_transitions`)
@@ -245,7 +288,7 @@ class Admission:
         """One iteration: read, transitions, tick, reclaim and trim when due, and the
         shard's lease renewed when nothing else renewed it."""
         if self.fence.due():
-            self._commit(_Txn(self.r), renew=True)
+            self._commit(_Txn(), renew=True)
         entries = self._read(block_ms)
         done = self._transitions(entries)
         done += self._tick()
@@ -314,7 +357,7 @@ class Admission:
                 return [entry for _, entry in _up_to(read, cutoff)[0]]
             self._backlog = False
         block = None if self._deferred else (block_ms or None)
-        read, cutoff = self._xread({s: ">" for s in self._expect}, block)
+        read, cutoff = self._xread(self._new, block)
         if self._deferred:
             read = sorted(self._deferred + read, key=_ID)
         now, self._deferred = _up_to(read, cutoff)
@@ -359,7 +402,7 @@ class Admission:
     # ------------------------------------------------------------------ transitions
 
     def _transitions(self, entries: Sequence[tuple[str, bytes, dict | None]]) -> int:
-        txn = _Txn(self.r)
+        txn = _Txn()
         done = 0
         results = self._results(entries)
         for i, (stream, entry_id, fields) in enumerate(entries):
@@ -372,10 +415,10 @@ class Admission:
                 if self._taken_back(unapplied=len(entries) - i):
                     return done  # this entry again, after the ones it was refused for lack of
                 self._refuse(stream, entry_id, fields, exc)
-                txn = _Txn(self.r)
+                txn = _Txn()
             if txn.full:  # whole transitions only: a batch may span several transactions
                 done += self._commit(txn)
-                txn = _Txn(self.r)
+                txn = _Txn()
         return done + self._commit(txn)
 
     def _results(self, entries: Sequence[tuple[str, bytes, dict | None]]) -> list[wire.Result | None]:
@@ -506,7 +549,7 @@ class Admission:
     def _tick(self) -> int:
         """Advance time; journaled only when it did something (a tick without actions
         changes nothing a later event could observe)."""
-        txn = _Txn(self.r)
+        txn = _Txn()
         now = self.clock()
         actions = self.sched.handle(Tick(), now)
         if not actions:
@@ -534,7 +577,7 @@ class Admission:
             txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
             txn.pipe.delete(self.keys.journal(self.shard))
         elif txn.journal:  # the transaction's events, in order, in one entry
-            streams.append(txn.pipe, self.keys.journal(self.shard), {journal.FIELD: journal.encode_events(txn.journal)})
+            txn.pipe.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_events(txn.journal)})
         self.fence.renew_in(txn.pipe)
         self._execute(txn)
         self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions
@@ -561,12 +604,12 @@ class Admission:
         other (nothing of the transaction was applied), as it does a connection lost while
         the transaction was sent or its reply read (applied or not: recovery finds out)."""
         try:
-            self.fence.execute(txn.pipe)
+            self.fence.execute_commands(txn.pipe.stack)
         except redis.exceptions.WatchError as exc:
             self.fence.check()
             raise redis.exceptions.ConnectionError(f"shard {self.shard}: transaction not applied: {exc}") from exc
         finally:
-            txn.pipe.reset()
+            txn.pipe.stack.clear()
         self.fence.renewed_now()
 
     # ------------------------------------------------------------------ actions
@@ -744,7 +787,7 @@ class Admission:
 
     def _refuse(self, stream: str, entry_id: bytes, fields: Mapping, exc: ProtocolError) -> None:
         """Dead-letter an event the protocol refuses; a refused handover fails its step."""
-        txn = _Txn(self.r)
+        txn = _Txn()
         txn.ack(stream, self.group, entry_id)
         self._dead_letter(txn, stream, entry_id, fields, f"protocol: {exc}")
         msg = wire.from_fields(fields)
@@ -811,7 +854,7 @@ class Admission:
     def _finish_reclaimed(self, entries: Mapping[bytes, tuple[wire.Work | None, dict]]) -> int:
         if not entries:
             return 0
-        txn = _Txn(self.r)
+        txn = _Txn()
         for entry_id, (work, fields) in entries.items():
             txn.ack(self.keys.work, WORK_GROUP, entry_id)
             txn.pipe.xdel(self.keys.work, entry_id)

@@ -31,7 +31,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import redis
 from redis.client import EMPTY_RESPONSE
@@ -42,6 +44,13 @@ from pipeline.keys import Keys
 from pipeline.redis_io import exec_replies, pool_connection, send_commands, text
 
 log = logging.getLogger(__name__)
+
+
+class Staged(Protocol):
+    """What `renew_in` queues its command in: a pipeline, or any stack of commands with its
+    `set`."""
+
+    def set(self, name: str, value: str, *, px: int) -> Any: ...
 
 
 class Fenced(CommandError):
@@ -109,7 +118,7 @@ class Fence:
         log.info("shard %d: taken with fencing token %d", self.shard, self.token)
         return self.token
 
-    def renew_in(self, pipe: redis.client.Pipeline) -> None:
+    def renew_in(self, pipe: redis.client.Pipeline | Staged) -> None:
         """Queue the lease's renewal in a transaction (before `execute`)."""
         pipe.set(self.lease_key, self.me, px=self.lease_ms)
 
@@ -123,7 +132,11 @@ class Fence:
         failure drops the connection (and its WATCH) and raises."""
         if pipe.scripts:
             raise TypeError("a fenced transaction runs no scripts")
-        commands = [args for args, options in pipe.command_stack if EMPTY_RESPONSE not in options]
+        self.execute_commands([args for args, options in pipe.command_stack if EMPTY_RESPONSE not in options])
+
+    def execute_commands(self, commands: Sequence[tuple]) -> None:
+        """`execute` of `commands` (each a command's arguments, as redis-py's pipeline stacks
+        them) instead of a pipeline's."""
         conn, value = self._watched()
         try:
             self.check(value)

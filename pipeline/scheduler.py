@@ -144,7 +144,7 @@ class Handover:
     published: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Finish:
     """A rollout's result: its status, reward, oldest call's version (None: no calls) and,
     when the source raised instead of returning a status, the traceback in `error`."""
@@ -154,6 +154,14 @@ class Finish:
     reward: float | None = None
     oldest_version: int | None = None
     error: str | None = None
+
+    def __init__(self, key: SampleKey, status: Status, reward: float | None = None,
+                 oldest_version: int | None = None, error: str | None = None) -> None:
+        # the fields written as a frozen dataclass's own __init__ sets them, without its
+        # `object.__setattr__` per field (one event per result)
+        fields = self.__dict__
+        fields["key"], fields["status"], fields["reward"] = key, status, reward
+        fields["oldest_version"], fields["error"] = oldest_version, error
 
 
 @dataclass(frozen=True)
@@ -178,13 +186,20 @@ Event = Union[Open, Register, Handover, Finish, Publish, Tick, Close]
 # ---------------------------------------------------------------------------- actions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Submit:
     key: SampleKey
     task: Task
     submitted_version: int
     deadline: float | None
     cause: str | None  # None for a first attempt, else one of CAUSES
+
+    def __init__(self, key: SampleKey, task: Task, submitted_version: int, deadline: float | None,
+                 cause: str | None) -> None:
+        # as `Finish.__init__` (one action per attempt)
+        fields = self.__dict__
+        fields["key"], fields["task"], fields["submitted_version"] = key, task, submitted_version
+        fields["deadline"], fields["cause"] = deadline, cause
 
 
 @dataclass(frozen=True)
@@ -260,10 +275,11 @@ _RUNNING, _IDLE, _ADMITTED, _DEAD, _SURPLUS = range(5)
 
 
 class _Sample:
-    __slots__ = ("index", "attempt", "failures", "state", "submitted_version", "oldest")
+    __slots__ = ("index", "attempt", "failures", "state", "submitted_version", "oldest", "key")
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.key: SampleKey | None = None  # its attempt's key, once made (`Scheduler._key`)
         self.attempt = -1
         self.failures = 0
         self.state = _IDLE
@@ -630,6 +646,8 @@ class Scheduler:
 
     def _backfill(self, out: list[Action]) -> None:
         """Stream mode: spend credits, resubmissions first, then whole new groups."""
+        if not (self._resubmit or self._tasks or self._held_credits):
+            return  # nothing to spend credits on, nor any held to release
         if self._held_credits:
             self._release_held()
         while self._resubmit and (self.credits > 0 or self._held_credits):
@@ -717,7 +735,7 @@ class Scheduler:
         sample.attempt += 1
         sample.state = _RUNNING
         sample.submitted_version = self.served
-        key = self._key(group, sample)
+        key = sample.key = SampleKey(self.epoch, group.id, sample.index, sample.attempt)
         deadline = None
         if self.config.timeout_s is not None:
             deadline = self._now + self.config.timeout_s
@@ -729,7 +747,12 @@ class Scheduler:
     # -------------------------------------------------------------- cancellation
 
     def _key(self, group: _Group, sample: _Sample) -> SampleKey:
-        return SampleKey(self.epoch, group.id, sample.index, sample.attempt)
+        """The key of `sample`'s attempt, made once per attempt (its attempt changes only in
+        `_submit`, which makes the new one; the epoch and group never change under it)."""
+        key = sample.key
+        if key is None:
+            key = sample.key = SampleKey(self.epoch, group.id, sample.index, sample.attempt)
+        return key
 
     def _end_running(self, key: SampleKey, action: Cancel, out: list[Action]) -> None:
         group, _ = self._running.pop(key)

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 import redis
@@ -141,7 +142,7 @@ def append(r: Client, stream: str, fields: Mapping[bytes | str, Any]) -> Any:
 def xadd_args(stream: str, fields: Mapping[bytes | str, Any]) -> tuple:
     """The arguments of `append`'s XADD (an id Redis makes), for a transaction written at once
     (`redis_io.transaction`)."""
-    return ("XADD", stream, "*", *(part for pair in fields.items() for part in pair))
+    return ("XADD", stream, "*", *chain.from_iterable(fields.items()))
 
 
 def ack(r: Client, stream: str, group: str, *ids: bytes | str) -> Any:

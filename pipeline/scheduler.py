@@ -740,7 +740,8 @@ class Scheduler:
         if self.config.timeout_s is not None:
             deadline = self._now + self.config.timeout_s
             heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
-        heapq.heappush(self._by_version, (self.served, next(self._seq), key))
+        if self.config.stale_running == "cancel":  # what `_cancel_stale_running` looks through
+            heapq.heappush(self._by_version, (self.served, next(self._seq), key))
         self._running[key] = (group, sample)
         out.append(Submit(key, group.task, self.served, deadline, cause))
 
@@ -930,7 +931,8 @@ class Scheduler:
         sched._batches = {b: _load_batch(d) for b, d in s["batches"]}
         sched._running = {SampleKey(*k): (objs[g], objs[g].samples[i]) for k, g, i in s["running"]}
         sched._deadlines = [(d, q, SampleKey(*k)) for d, q, k in s["deadlines"]]
-        sched._by_version = [(v, q, SampleKey(*k)) for v, q, k in s["by_version"]]
+        if sched.config.stale_running == "cancel":  # a snapshot may hold them in finish mode too
+            sched._by_version = [(v, q, SampleKey(*k)) for v, q, k in s["by_version"]]
         sched._tasks = deque((b, _load_task(t)) for b, t in s["tasks"])
         sched._resubmit = deque((objs[g], objs[g].samples[i], c) for g, i, c in s["resubmit"])
         sched._complete = deque(s["complete"])

@@ -552,6 +552,25 @@ def test_stale_running_cancels_at_once_or_judges_the_result(mode):
     assert emit.record.lag == 0 and emit.record.groups == 1
 
 
+@pytest.mark.parametrize("mode", ["cancel", "finish"])
+def test_the_version_index_of_running_samples_holds_only_what_can_still_go_stale(mode):
+    """`cancel` looks running samples up by the version they were submitted under; `finish`
+    judges each result and keeps no such index, so its snapshots do not grow with every
+    submission of the epoch."""
+    d = _stream(inflight_samples=4, admit=1, max_lag=1, ahead=1, stale_running=mode)
+    d.register(0, n=12)
+    for step in range(8):
+        g = next(g for g in d.groups() if d.running_of(g))
+        d.finish_group(g, oldest=d.updates)
+        assert of(Emit, d.handover(step, updates=step + 1))
+        d.publish(step + 1)
+    assert len(d.submitted) >= 4 + 8 * 2 and len(d.running()) == 4
+    held = len(d.sched.snapshot()["by_version"])
+    assert held == 0 if mode == "finish" else 0 < held <= 2 * 4
+    restored = Scheduler.restore(d.sched.config, d.sched.snapshot())
+    assert restored.snapshot() == d.sched.snapshot()
+
+
 def test_straggler_oversample_backs_up_a_group_whose_admitted_members_are_aging():
     d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_lag=1, ahead=1,
                 oversample_start="straggler", stale_running="finish")

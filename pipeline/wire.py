@@ -604,6 +604,14 @@ class Work(_SampleMessage):
     deadline: float | None = None
     cause: str | None = None
 
+    def __init__(self, shard: int, epoch: int, group: int, sample: int, attempt: int, task: Task,
+                 submitted_version: int, deadline: float | None = None, cause: str | None = None) -> None:
+        # the dataclass's own fields, set at once (its generated __init__ sets each through
+        # object.__setattr__; the admission makes one for every submission)
+        object.__setattr__(self, "__dict__", {
+            "shard": shard, "epoch": epoch, "group": group, "sample": sample, "attempt": attempt, "task": task,
+            "submitted_version": submitted_version, "deadline": deadline, "cause": cause})
+
 
 @_message("cancel", **_SAMPLE, reason=_nonempty_str)
 @dataclass(frozen=True, eq=False)
@@ -945,15 +953,17 @@ def _work_bytes(work: Work) -> bytes | None:
     task_id, payload = task.id, task.payload
     if type(task_id) is not str or type(payload) is not dict or (payload and not _plain(payload, 0)):
         return None
-    try:
-        return _ENCODER.encode({  # msgpack.packb's bytes, of these plain values, in `_wire`'s order
-            "v": SCHEMA_VERSION, "k": "work", "shard": shard, "epoch": epoch, "group": group,
-            "sample": sample, "attempt": attempt, "task": {"id": task_id, "payload": payload},
-            "submitted_version": version, "deadline": deadline, "cause": cause})
+    try:  # msgpack.packb's bytes, of these plain values, in `_wire`'s order
+        return _ENCODER.encode(_WorkOut(SCHEMA_VERSION, Work.KIND, shard, epoch, group, sample, attempt,
+                                        _TaskOut(task_id, payload), version, deadline, cause))
     except (ValueError, TypeError, OverflowError, msgspec.EncodeError):  # a lone surrogate, an int too large
         return None
 
 
+# a Work's map as `_wire` orders it, `v` and `k` first (a struct packs as the map of its fields
+# in their order, and faster than a dict: its keys are packed once)
+_WorkOut = msgspec.defstruct("WorkOut", [("v", int), ("k", str), *((name, Any) for name in Work.SPEC)], gc=False)
+_TaskOut = msgspec.defstruct("TaskOut", [("id", str), ("payload", dict)], gc=False)
 _WORK_GET = itemgetter("shard", "epoch", "group", "sample", "attempt", "task", "submitted_version",
                        "deadline", "cause")
 _PLAIN_DEPTH = 8  # nesting `_plain` follows; deeper payloads take the general path

@@ -81,10 +81,11 @@ class Chain:
         `served`: the versions that served the loss tokens, when the caller has them (the
         decoder's runs), which gives `oldest_version` without reading the arrays."""
         chain = _new(cls)
-        chain.__dict__.update(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, versions=versions,
-                              support=support, calls=calls, call_tokens=call_tokens)
+        fields = {"tokens": tokens, "loss_mask": loss_mask, "logprobs": logprobs, "versions": versions,
+                  "support": support, "calls": calls, "call_tokens": call_tokens}
         if served is not None:
-            chain.__dict__["oldest_version"] = min(served, default=None)
+            fields["oldest_version"] = min(served, default=None)
+        object.__setattr__(chain, "__dict__", fields)  # one dict, set at once
         return chain
 
     def __len__(self) -> int:

@@ -604,6 +604,14 @@ class Work(_SampleMessage):
     deadline: float | None = None
     cause: str | None = None
 
+    def __init__(self, shard: int, epoch: int, group: int, sample: int, attempt: int, task: Task,
+                 submitted_version: int, deadline: float | None = None, cause: str | None = None) -> None:
+        # the dataclass's own fields, set at once (its generated __init__ sets each through
+        # object.__setattr__; the admission makes one for every submission)
+        object.__setattr__(self, "__dict__", {
+            "shard": shard, "epoch": epoch, "group": group, "sample": sample, "attempt": attempt, "task": task,
+            "submitted_version": submitted_version, "deadline": deadline, "cause": cause})
+
 
 @_message("cancel", **_SAMPLE, reason=_nonempty_str)
 @dataclass(frozen=True, eq=False)
@@ -657,7 +665,10 @@ class Result(_SampleMessage):
     def oldest_version(self) -> int | None:
         """The weight version of the oldest completion token (None without any): the
         rollout's staleness. A call that completed no token carries no version here."""
-        return min((v for c in self.chains if (v := c.oldest_version) is not None), default=None)
+        chains = self.chains
+        if len(chains) == 1:  # one chain (usually)
+            return chains[0].oldest_version
+        return min((v for c in chains if (v := c.oldest_version) is not None), default=None)
 
     def rollout(self) -> Rollout:
         """What packing needs of this result (the chains as they are, no merge)."""
@@ -942,15 +953,17 @@ def _work_bytes(work: Work) -> bytes | None:
     task_id, payload = task.id, task.payload
     if type(task_id) is not str or type(payload) is not dict or (payload and not _plain(payload, 0)):
         return None
-    try:
-        return _ENCODER.encode({  # msgpack.packb's bytes, of these plain values, in `_wire`'s order
-            "v": SCHEMA_VERSION, "k": "work", "shard": shard, "epoch": epoch, "group": group,
-            "sample": sample, "attempt": attempt, "task": {"id": task_id, "payload": payload},
-            "submitted_version": version, "deadline": deadline, "cause": cause})
+    try:  # msgpack.packb's bytes, of these plain values, in `_wire`'s order
+        return _ENCODER.encode(_WorkOut(SCHEMA_VERSION, Work.KIND, shard, epoch, group, sample, attempt,
+                                        _TaskOut(task_id, payload), version, deadline, cause))
     except (ValueError, TypeError, OverflowError, msgspec.EncodeError):  # a lone surrogate, an int too large
         return None
 
 
+# a Work's map as `_wire` orders it, `v` and `k` first (a struct packs as the map of its fields
+# in their order, and faster than a dict: its keys are packed once)
+_WorkOut = msgspec.defstruct("WorkOut", [("v", int), ("k", str), *((name, Any) for name in Work.SPEC)], gc=False)
+_TaskOut = msgspec.defstruct("TaskOut", [("id", str), ("payload", dict)], gc=False)
 _WORK_GET = itemgetter("shard", "epoch", "group", "sample", "attempt", "task", "submitted_version",
                        "deadline", "cause")
 _PLAIN_DEPTH = 8  # nesting `_plain` follows; deeper payloads take the general path
@@ -1085,9 +1098,11 @@ _RESULT_OR_ANY_KIND: Any = Union[tuple([_RESULTS_WIRE, *(s for s, cls in _COMPIL
 _RESULTS_DECODER = msgspec.msgpack.Decoder(_RESULT_OR_ANY_KIND)
 _U1 = np.dtype("|u1")
 # an entry's pieces: its fields but the chains, per chain lengths, calls and call tokens, the
-# loss tokens' versions and their runs, the token, loss bit and log-prob bytes, its tokens
+# loss tokens' versions and their runs, the token, loss bit and log-prob bytes, its tokens, and
+# the first loss token when the result is one chain whose loss tokens are one run served by one
+# version (a single call: the usual result), -1 otherwise
 _Piece = tuple[dict[str, Any], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
-               tuple[int, ...], bytes, bytes, bytes, int]
+               tuple[int, ...], bytes, bytes, bytes, int, int]
 
 
 def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
@@ -1102,10 +1117,48 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
     pieces = [piece for _, piece in taken]
     tokens = np.frombuffer(b"".join([p[6] for p in pieces]), TOKEN_DTYPE)
     logprobs = np.frombuffer(b"".join([p[8] for p in pieces]), LOGPROB_DTYPE)
-    if len(tokens) and (_MIN(tokens, axis=None) < 0 or (vocab is not None and _MAX(tokens, axis=None) >= vocab)):
+    bound = _TOKEN_BOUND if vocab is None else min(vocab, _TOKEN_BOUND)  # >= 0 and below the vocabulary
+    if len(tokens) and int(_MAX(tokens.view(_U32), axis=None)) >= bound:
         return out  # one refuses: each decoded alone
     if len(logprobs) and not finite_logprobs(logprobs):
         return out
+    if all(p[10] >= 0 for p in pieces):
+        _one_runs(taken, tokens, logprobs, out)
+    else:
+        _expanded(taken, tokens, logprobs, out)
+    return out
+
+
+def _one_runs(taken: list[tuple[int, _Piece]], tokens: np.ndarray, logprobs: np.ndarray,
+              out: list[Result | None]) -> None:
+    """The results of `taken` (checked pieces, by their index in `out`), each one chain whose
+    loss tokens are one run served by one version: each result's arrays made at its size, the
+    loss tokens' values written as one slice (the values `_expand_chains` puts there)."""
+    start = lp = 0
+    for i, (values, _, calls, call_tokens, served, runs, _, _, _, total, first) in taken:
+        end = start + total
+        n_loss = runs[0]
+        loss = np.zeros(total, bool)
+        loss[first:first + n_loss] = True
+        full_logprobs = np.zeros(total, LOGPROB_DTYPE)
+        full_logprobs[first:first + n_loss] = logprobs[lp:lp + n_loss]
+        full_versions = np.empty(total, VERSION_DTYPE)
+        full_versions.fill(NO_VERSION)
+        full_versions[first:first + n_loss] = served[0]
+        values["chains"] = (Chain.trusted(tokens[start:end].copy(), loss, full_logprobs, full_versions, None,
+                                          calls[0], call_tokens[0], served),)
+        start, lp = end, lp + n_loss
+        msg = _new(Result)
+        object.__setattr__(msg, "__dict__", values)
+        out[i] = msg
+
+
+def _expanded(taken: list[tuple[int, _Piece]], tokens: np.ndarray, logprobs: np.ndarray,
+              out: list[Result | None]) -> None:
+    """The results of `taken` (checked pieces, by their index in `out`), of any chains: the
+    loss tokens' log-probs and versions expanded once over the batch's arrays, and each
+    result given its own copy of its span of them."""
+    pieces = [piece for _, piece in taken]
     loss = _batch_loss(pieces, len(tokens))
     full_logprobs = np.zeros(len(tokens), LOGPROB_DTYPE)
     full_logprobs[loss] = logprobs
@@ -1116,7 +1169,7 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
     elif versions:
         full_versions[loss] = np.repeat(np.asarray(versions, VERSION_DTYPE), [r for p in pieces for r in p[5]])
     start = 0
-    for i, (values, lengths, calls, call_tokens, served, *_, total) in taken:
+    for i, (values, lengths, calls, call_tokens, served, *_, total, _) in taken:
         end = start + total
         # each result's own arrays: a held rollout keeps no other result's tokens alive
         arrays = (tokens[start:end].copy(), loss[start:end].copy(), full_logprobs[start:end].copy(),
@@ -1126,7 +1179,6 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
         msg = _new(Result)
         object.__setattr__(msg, "__dict__", values)
         out[i] = msg
-    return out
 
 
 def _batch_loss(pieces: list[_Piece], total: int) -> np.ndarray:
@@ -1159,25 +1211,45 @@ def _result_piece(data: Any, max_bytes: int) -> _Piece | None:
     values = msgspec.structs.asdict(decoded)
     del values["v"]
     c = values["chains"]
-    tokens, bits = c.tokens, c.loss_mask
+    tokens, bits, logprobs = c.tokens, c.loss_mask, c.logprobs
     total = len(tokens) >> 2
-    if len(tokens) & 3 or len(c.logprobs) & 3 or len(bits) != (total + 7) >> 3 or _negative_duration(values["timings"]):
+    if len(tokens) & 3 or len(logprobs) & 3 or len(bits) != (total + 7) >> 3 or _negative_duration(values["timings"]):
         return None
-    if total & 7 and bits[-1] >> (total & 7):
+    mask = int.from_bytes(bits, "little")
+    n_loss = mask.bit_count()
+    if mask >> total or len(logprobs) >> 2 != n_loss:  # padding bits set; not a log-prob per loss token
         return None
-    n_loss = int.from_bytes(bits, "little").bit_count()
+    if (len(c.lengths), len(c.calls), len(c.call_tokens), len(c.versions), len(c.version_runs)) == _ONE_CHAIN_SIZES:
+        # one chain, one version run (a single call, usually): its numbers unpacked at once
+        n, calls, call_tokens, served, runs = _ONE_CHAIN.unpack(
+            b"".join((c.lengths, c.calls, c.call_tokens, c.versions, c.version_runs)))
+        if not (n == total and calls >= 1 and call_tokens >= total and served >= 0 and runs == n_loss >= 1):
+            return None
+        first = (mask & -mask).bit_length() - 1  # of the loss tokens, which are one run if
+        one_run = mask == ((1 << n_loss) - 1) << first
+        return ((values, (n,), (calls,), (call_tokens,), (served,), (runs,), tokens, bits, logprobs, total,
+                 first if one_run else -1))
+    return _chains_piece(values, c, total, n_loss)
+
+
+_ONE_CHAIN = struct.Struct("<iiqii")  # lengths, calls, call_tokens, versions, version_runs of one chain
+_ONE_CHAIN_SIZES = (4, 4, 8, 4, 4)
+
+
+def _chains_piece(values: dict[str, Any], c: Any, total: int, n_loss: int) -> _Piece | None:
+    """`_result_piece` of a result of any chains and version runs (`c`: its chains' struct)."""
     lengths, calls, call_tokens = _ints(c.lengths, "i"), _ints(c.calls, "i"), _ints(c.call_tokens, "q")
     served, runs = _ints(c.versions, "i"), _ints(c.version_runs, "i")
     if (lengths is None or calls is None or call_tokens is None or served is None or runs is None
-            or len(c.logprobs) >> 2 != n_loss or sum(lengths) != total or len(runs) != len(served)
+            or sum(lengths) != total or len(runs) != len(served)
             or sum(runs) != n_loss or (served and min(served) < 0) or (runs and min(runs) < 1)):
         return None
-    if len(lengths) == 1:  # one chain (usually)
+    if len(lengths) == 1:  # one chain
         ok = len(calls) == len(call_tokens) == 1 and calls[0] >= 1 and call_tokens[0] >= total
     else:
         ok = len(calls) == len(call_tokens) == len(lengths) and (not lengths or (
             min(lengths) >= 0 and min(calls) >= 1 and all(t >= n for t, n in zip(call_tokens, lengths))))
-    return (values, lengths, calls, call_tokens, served, runs, tokens, bits, c.logprobs, total) if ok else None
+    return (values, lengths, calls, call_tokens, served, runs, c.tokens, c.loss_mask, c.logprobs, total, -1) if ok else None
 
 
 def _ints(data: bytes, code: str) -> tuple[int, ...] | None:
@@ -1386,8 +1458,9 @@ def fit_width(result: Result, width: int) -> Result | None:
     run's truncation policy like any other truncation (masked, scored on its reward, or
     zero); None when every chain fits. A COMPLETED or AGENT_ERROR result keeps its reward;
     failures (INFRA_ERROR, CANCELLED) are returned cut but keep their status."""
-    if all(len(chain) <= width for chain in result.chains):
-        return None
+    chains = result.chains
+    if len(chains) == 1 and len(chains[0].tokens) <= width or all(len(chain) <= width for chain in chains):
+        return None  # (one chain, usually, read without the generator)
     chains = tuple(chain.head(width) for chain in result.chains)
     trains = result.status in (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
     status = Status.TRUNCATED if trains else result.status

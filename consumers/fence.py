@@ -118,7 +118,7 @@ class Fence:
         log.info("shard %d: taken with fencing token %d", self.shard, self.token)
         return self.token
 
-    def renew_in(self, pipe: redis.client.Pipeline | Staged) -> None:
+    def renew_in(self, pipe: Staged) -> None:
         """Queue the lease's renewal in a transaction (before `execute`)."""
         pipe.set(self.lease_key, self.me, px=self.lease_ms)
 

@@ -735,7 +735,8 @@ class Scheduler:
         sample.attempt += 1
         sample.state = _RUNNING
         sample.submitted_version = self.served
-        key = sample.key = SampleKey(self.epoch, group.id, sample.index, sample.attempt)
+        sample.key = None  # the new attempt's, made by `_key`
+        key = self._key(group, sample)
         deadline = None
         if self.config.timeout_s is not None:
             deadline = self._now + self.config.timeout_s
@@ -749,7 +750,7 @@ class Scheduler:
 
     def _key(self, group: _Group, sample: _Sample) -> SampleKey:
         """The key of `sample`'s attempt, made once per attempt (its attempt changes only in
-        `_submit`, which makes the new one; the epoch and group never change under it)."""
+        `_submit`, which clears the old one; the epoch and group never change under it)."""
         key = sample.key
         if key is None:
             key = sample.key = SampleKey(self.epoch, group.id, sample.index, sample.attempt)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import itemgetter
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 
 import msgpack
 import msgspec
@@ -791,6 +791,14 @@ _REFUSED = (msgspec.DecodeError, SchemaError, RecursionError)  # by the structs 
 # session (no __post_init__). Every other kind is built through its constructor.
 _DIRECT = frozenset({Result, Work})
 _new = object.__new__
+_M = TypeVar("_M")
+
+
+def _direct(cls: type[_M], values: dict[str, Any]) -> _M:
+    """A message of a `_DIRECT` kind made from its checked fields, without its constructor."""
+    msg = _new(cls)
+    object.__setattr__(msg, "__dict__", values)
+    return msg
 
 
 def _compiled(struct: msgspec.Struct) -> Message:
@@ -802,9 +810,7 @@ def _compiled(struct: msgspec.Struct) -> Message:
         values[name] = check(values[name], name)
     if cls not in _DIRECT:
         return cls(**values)
-    msg = _new(cls)
-    object.__setattr__(msg, "__dict__", values)
-    return msg
+    return _direct(cls, values)
 
 
 # ---------------------------------------------------------------- codec
@@ -1148,9 +1154,7 @@ def _one_runs(taken: list[tuple[int, _Piece]], tokens: np.ndarray, logprobs: np.
         values["chains"] = (Chain.trusted(tokens[start:end].copy(), loss, full_logprobs, full_versions, None,
                                           calls[0], call_tokens[0], served),)
         start, lp = end, lp + n_loss
-        msg = _new(Result)
-        object.__setattr__(msg, "__dict__", values)
-        out[i] = msg
+        out[i] = _direct(Result, values)
 
 
 def _expanded(taken: list[tuple[int, _Piece]], tokens: np.ndarray, logprobs: np.ndarray,
@@ -1176,9 +1180,7 @@ def _expanded(taken: list[tuple[int, _Piece]], tokens: np.ndarray, logprobs: np.
                   full_versions[start:end].copy(), None)
         values["chains"] = _cut_chains(arrays, lengths, calls, call_tokens, served)
         start = end
-        msg = _new(Result)
-        object.__setattr__(msg, "__dict__", values)
-        out[i] = msg
+        out[i] = _direct(Result, values)
 
 
 def _batch_loss(pieces: list[_Piece], total: int) -> np.ndarray:

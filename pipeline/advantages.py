@@ -77,6 +77,29 @@ def _normalised(base: np.ndarray, eps: float) -> np.ndarray:
     return d / (np.sqrt(np.add.reduce(d * d) / len(base)) + eps)
 
 
+def _stacked_mean(base: np.ndarray) -> np.ndarray:
+    """`_mean` of each row of `base`, as a column."""
+    return (np.add.reduce(base, axis=1) / base.shape[1])[:, None]
+
+
+def _stacked_normalised(base: np.ndarray, eps: float) -> np.ndarray:
+    """`_normalised` of each row of `base`."""
+    d = base - _stacked_mean(base)
+    return d / (np.sqrt(np.add.reduce(d * d, axis=1) / base.shape[1]) + eps)[:, None]
+
+
+def _stacked_rloo(base: np.ndarray, eps: float) -> np.ndarray:
+    n = base.shape[1]
+    return base - (np.add.reduce(base, axis=1)[:, None] - base) / (n - 1) if n > 1 else np.zeros(base.shape)
+
+
+_STACKED: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
+    "group": _stacked_normalised,
+    "group_mean": lambda base, eps: base - _stacked_mean(base),
+    "rloo": _stacked_rloo,
+}
+"""`ESTIMATORS` of groups of one size, a row each (`stacked_advantages`)."""
+
 ESTIMATORS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "group": _normalised,
     "group_mean": lambda base, eps: base - _mean(base),
@@ -134,11 +157,29 @@ def group_advantages(
 ) -> GroupScores:
     """Rewards, advantages and trained flags of one group's rollouts (module docstring)."""
     check_policy(estimator, truncation)
+    return scores_of(training_rewards(statuses, rewards, truncation), rewards, estimator=estimator, eps=eps)
+
+
+def training_rewards(statuses: Sequence[Status], rewards: Sequence[float | None],
+                     truncation: str) -> list[float | None]:
+    """`training_reward` of each rollout of a group (ValueError as it raises)."""
     if len(statuses) != len(rewards):
         raise ValueError(f"{len(statuses)} statuses for {len(rewards)} rewards")
     # a COMPLETED rollout with its reward (usually all of them) trains on it, as `training_reward` says
-    used = [float(r) if s is _COMPLETED and r is not None else training_reward(s, r, truncation)
+    return [float(r) if s is _COMPLETED and r is not None else training_reward(s, r, truncation)
             for s, r in zip(statuses, rewards, strict=True)]
+
+
+def stacked_advantages(used: Sequence[Sequence[float]], *, estimator: str, eps: float) -> np.ndarray:
+    """The advantages of several groups of one size whose rollouts all train (`used`: each
+    group's training rewards), `[groups, size]`: the estimator's operations applied to all
+    the groups at once, row by row, which gives each group what `scores_of` gives it."""
+    return _STACKED[estimator](np.array(used, dtype=np.float64), eps)
+
+
+def scores_of(used: Sequence[float | None], rewards: Sequence[float | None], *, estimator: str,
+              eps: float) -> GroupScores:
+    """The scores of one group whose training rewards (`training_rewards`) are `used`."""
     if None not in used:  # every rollout trains: the baseline set is the group
         reported = np.array(used, dtype=np.float64)
         return GroupScores(rewards=reported, advantages=ESTIMATORS[estimator](reported, eps),

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -88,6 +88,10 @@ class Chain:
         object.__setattr__(chain, "__dict__", fields)  # one dict, set at once
         return chain
 
+    # (first, n, version) when the loss tokens are the one span `[first, first + n)`, all served
+    # by `version`, and the chain says so (a `SpanChain`); None: read the arrays
+    span: ClassVar[tuple[int, int, int] | None] = None
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -115,6 +119,61 @@ class Chain:
         support = None if self.support is None else self.support[:n]
         return Chain(self.tokens[:n], self.loss_mask[:n], self.logprobs[:n], self.versions[:n],
                      support, self.calls, self.call_tokens)
+
+
+class SpanChain(Chain):
+    """A chain whose loss tokens are one span, `[first, first + n)` with n >= 1, all served by
+    one weight version (a single call's chain: the usual result), kept as the wire carries it:
+    its tokens, the span, the version and the span's log-probs. The per-token `loss_mask`,
+    `logprobs` and `versions` are made on first access (then kept), so code that reads them
+    sees a `Chain` like any other; packing and the `Ready` read the span instead
+    (`Chain.span`) and never make them. Made by `SpanChain.of` only, from values the caller
+    checked (the wire decoder's)."""
+
+    span_logprobs: np.ndarray  # the behaviour log-probs of the span's tokens, set by `of`
+
+    @classmethod
+    def of(cls, tokens: np.ndarray, first: int, logprobs: np.ndarray, version: int, calls: int,
+           call_tokens: int) -> SpanChain:
+        """The chain of `tokens` whose loss tokens are `tokens[first:first + len(logprobs)]`
+        (at least one), with those `logprobs` (float32), served by `version`; unchecked: the
+        span lies within the tokens and `call_tokens >= len(tokens)`."""
+        chain = _new(cls)
+        object.__setattr__(chain, "__dict__", {
+            "tokens": tokens, "support": None, "calls": calls, "call_tokens": call_tokens,
+            "oldest_version": version, "span": (first, len(logprobs), version), "span_logprobs": logprobs})
+        return chain
+
+    @cached_property
+    def loss_mask(self) -> np.ndarray:
+        first, n, _ = self._span
+        mask = np.zeros(len(self.tokens), bool)
+        mask[first:first + n] = True
+        return mask
+
+    @cached_property
+    def logprobs(self) -> np.ndarray:
+        first, n, _ = self._span
+        full = np.zeros(len(self.tokens), LOGPROB_DTYPE)
+        full[first:first + n] = self.span_logprobs
+        return full
+
+    @cached_property
+    def versions(self) -> np.ndarray:
+        first, n, version = self._span
+        full = np.full(len(self.tokens), NO_VERSION, VERSION_DTYPE)
+        full[first:first + n] = version
+        return full
+
+    @property
+    def loss_tokens(self) -> int:
+        return self._span[1]
+
+    @property
+    def _span(self) -> tuple[int, int, int]:
+        span = self.span
+        assert span is not None  # `of` sets it
+        return span
 
 
 class _ChainBuilder:

@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from pipeline.advantages import GroupScores, check_policy, group_advantages
+from pipeline.advantages import check_policy, scores_of, stacked_advantages, training_rewards
 from pipeline.chains import NO_VERSION, Chain, merge_calls
 from pipeline.sessions import LOGPROB_DTYPE, TOKEN_DTYPE, Session, Status
 
@@ -156,6 +156,17 @@ def _dense(name: str) -> cached_property[np.ndarray]:
     return cached_property(rows)
 
 
+class Spans(NamedTuple):
+    """The packed chains' loss tokens, segment by segment, when each chain keeps them as one
+    span served by one version (`Chain.span`): where the span starts in its segment, its
+    tokens and its version (`[S]` int64 each), and the spans' log-probs end to end (float32)."""
+
+    first: np.ndarray
+    n: np.ndarray
+    version: np.ndarray
+    logprobs: np.ndarray
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """One step's packed rows (see the module docstring for the arrays).
@@ -206,6 +217,24 @@ class PackedBatch:
         completion token, whether its rollout trains or not (`cells("loss_mask")` has those
         that train)."""
         return _cat([c.loss_mask for c in self._chains], bool)
+
+    @cached_property
+    def spans(self) -> Spans | None:
+        """The packed chains' loss spans (`Spans`) when every packed chain has one, else None
+        (and None for an empty batch): what the `Ready` and the metrics read in place of the
+        per-token cells, which then are never made."""
+        spans = [c.span for c in self._chains]
+        if not spans or any(span is None for span in spans):
+            return None
+        first, n, version = (np.array(column, np.int64) for column in zip(*spans))
+        logprobs = _cat([c.span_logprobs for c in self._chains], LOGPROB_DTYPE)  # type: ignore[attr-defined]
+        return Spans(first, n, version, logprobs)
+
+    @cached_property
+    def completion_tokens(self) -> int:
+        """The packed chains' completion tokens (those of `completion_cells`)."""
+        spans = self.spans
+        return int(spans.n.sum()) if spans is not None else int(np.count_nonzero(self.completion_cells))
 
     @property
     def cut(self) -> int:
@@ -356,15 +385,12 @@ def _refusal(group: Group, width: int, support_capacity: int | None) -> str | No
     return None
 
 
-def _scores(group: Group, estimator: str, truncation: str, eps: float) -> GroupScores:
+def _training_rewards(group: Group, truncation: str) -> list[float | None]:
+    """What each rollout of the group trains on (`advantages.training_rewards`), or the
+    ValueError that says which group cannot train as given."""
     try:
-        return group_advantages(
-            [r.status for r in group.rollouts],
-            [r.reward for r in group.rollouts],
-            estimator=estimator,
-            truncation=truncation,
-            eps=eps,
-        )
+        return training_rewards([r.status for r in group.rollouts], [r.reward for r in group.rollouts],
+                                truncation)
     except ValueError as exc:
         raise ValueError(f"group {group.group}: {exc}") from exc
 
@@ -390,7 +416,7 @@ def pack(
     check_support(False, support_capacity)
     free = _Rows(rows, width)
     placements: list[_Placement] = []
-    packed: list[tuple[Group, GroupScores]] = []
+    packed: list[tuple[Group, list[float | None]]] = []
     n_rollouts = 0
     cut: list[int] = []
     refused: list[Refusal] = []
@@ -402,7 +428,7 @@ def pack(
             if reason is not None:
                 refused.append(Refusal(group.group, reason))
                 continue
-        scores = _scores(group, estimator, truncation, eps)
+        used = _training_rewards(group, truncation)
         placed = _place_group(free, items, n_rollouts)
         if placed is None:
             if _place_group(_Rows(rows, width), items, 0) is None:
@@ -415,7 +441,7 @@ def pack(
                 cut.append(group.group)
             continue
         placements.extend(placed)
-        packed.append((group, scores))
+        packed.append((group, used))
         n_rollouts += len(group.rollouts)
     placements.sort(key=lambda p: (p[0], p[1]))  # row-major: each row's chains in column order
     return PackedBatch(
@@ -423,7 +449,7 @@ def pack(
         width=width,
         segment_table=_segment_table(placements),
         support_capacity=support_capacity,
-        **_rollout_arrays(packed),
+        **_rollout_arrays(packed, estimator, eps),
         groups=tuple(g.group for g, _ in packed),
         cut_groups=tuple(cut),
         refused=tuple(refused),
@@ -486,13 +512,23 @@ def _support_blocks(chains: list[Chain], capacity: int) -> np.ndarray:
     return np.concatenate(blocks)
 
 
-def _rollout_arrays(packed: list[tuple[Group, GroupScores]]) -> dict[str, np.ndarray]:
-    """Per packed rollout: group, sample, reward trained on, advantage, trained flag."""
+def _rollout_arrays(packed: list[tuple[Group, list[float | None]]], estimator: str,
+                    eps: float) -> dict[str, np.ndarray]:
+    """Per packed rollout: group, sample, reward trained on, advantage, trained flag. Groups
+    of one size whose rollouts all train (usually every group of a step) are scored at once."""
     groups = [g for g, _ in packed]
-    scores = [s for _, s in packed]
-    return {
+    out = {
         "rollout_group": np.array([g.group for g in groups for _ in g.rollouts], dtype=np.int64),
         "rollout_sample": np.array([r.sample for g in groups for r in g.rollouts], dtype=np.int64),
+    }
+    used = [u for _, u in packed]
+    if len({len(u) for u in used}) == 1 and used[0] and not any(None in u for u in used):
+        advantages = stacked_advantages(used, estimator=estimator, eps=eps)  # type: ignore[arg-type]
+        return {**out, "rollout_reward": np.array(used, dtype=np.float64).ravel(),
+                "rollout_advantage": advantages.ravel(), "rollout_trained": np.ones(advantages.size, bool)}
+    scores = [scores_of(u, [r.reward for r in g.rollouts], estimator=estimator, eps=eps) for g, u in packed]
+    return {
+        **out,
         "rollout_reward": _cat([s.rewards for s in scores], np.float64),
         "rollout_advantage": _cat([s.advantages for s in scores], np.float64),
         "rollout_trained": _cat([s.trained for s in scores], bool),

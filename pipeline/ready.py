@@ -18,7 +18,7 @@ a row; segments are listed row by row, in column order, so a segment's position 
 | `seg_lengths` | `[S]` int32 | its tokens (>= 1) |
 | `seg_rollout` | `[S]` int32 | its rollout: an index into the `rollout_*` arrays |
 | `seg_chain` | `[S]` int32 | its chain's index within the rollout |
-| `tokens` | `[T]` int32 | the non-padding tokens, segment after segment |
+| `tokens` | `[T]` uint16 or int32 | the non-padding tokens, segment after segment: uint16 when every id is below 65,536 (most vocabularies), which makes a 1k-token rollout's share of the `Ready` about 2 KB smaller |
 | `completion` | `[ceil(T / 8)]` uint8 | completion tokens, one bit each (`np.packbits`, little bit order) |
 | `logprobs` | `[C]` float32 | behaviour log-prob of each completion token |
 | `versions`, `version_runs` | `[V]` int32 | served versions of the completion tokens, run-length encoded |
@@ -99,24 +99,30 @@ def compact(packed: PackedBatch) -> dict[str, np.ndarray]:
     travels as 0 (`rollout_trained` says which rollouts train). ValueError when a chain
     carries a log-prob, version or support off its completion tokens (a `Result` cannot)."""
     table = packed.segment_table
-    versions = packed.cells("versions")
-    completion = versions != NO_VERSION
-    logprobs = packed.cells("logprobs")
-    if logprobs[~completion].any():
-        raise ValueError("a chain carries log-probs off its completion tokens")
-    versions = versions[completion]
+    spans = packed.spans if packed.support_capacity is None else None
+    if spans is not None:  # each chain's loss tokens one span of one version (decoded results)
+        completion = _span_mask(table.length, spans.first, spans.n)
+        logprobs, versions, counts = spans.logprobs, spans.version, spans.n
+    else:
+        versions = packed.cells("versions")
+        completion = versions != NO_VERSION
+        logprobs = packed.cells("logprobs")
+        if logprobs[~completion].any():
+            raise ValueError("a chain carries log-probs off its completion tokens")
+        logprobs, versions, counts = logprobs[completion], versions[completion], None
     bounds = _run_bounds(versions)
+    runs = bounds[1:] - bounds[:-1] if counts is None else np.add.reduceat(counts, bounds[:-1])
     out = {
         "shape": np.array([packed.rows, packed.width], np.int64),
         "seg_rows": table.row,
         "seg_lengths": table.length,
         "seg_rollout": table.rollout,
         "seg_chain": table.chain,
-        "tokens": packed.cells("tokens"),
+        "tokens": _narrow(packed.cells("tokens")),
         "completion": np.packbits(completion, bitorder="little"),
-        "logprobs": logprobs[completion],
-        "versions": versions[bounds[:-1]],
-        "version_runs": (bounds[1:] - bounds[:-1]).astype(np.int32),
+        "logprobs": logprobs,
+        "versions": versions[bounds[:-1]].astype(np.int32),
+        "version_runs": runs.astype(np.int32),
         **{name: getattr(packed, name) for name in _ROLLOUT},
     }
     if not np.isfinite(packed.rollout_reward).all():
@@ -127,6 +133,31 @@ def compact(packed: PackedBatch) -> dict[str, np.ndarray]:
             raise ValueError("a chain carries sampling support off its completion tokens")
         out["support"] = support[completion]
     return out
+
+
+_NARROW = np.dtype("<u2")
+_TOKEN_DTYPES = (TOKEN_DTYPE, _NARROW)
+
+
+def _narrow(tokens: np.ndarray) -> np.ndarray:
+    """The token ids as uint16 when every one fits (ids are never negative: a negative int32
+    reads as an unsigned one above the range, so it keeps the ids as they are)."""
+    if tokens.dtype == TOKEN_DTYPE and tokens.size \
+            and int(np.maximum.reduce(tokens.view(np.uint32), axis=None)) < 1 << 16:
+        return tokens.astype(_NARROW)
+    return tokens
+
+
+_OFF_ON_OFF = np.array([False, True, False])
+
+
+def _span_mask(lengths: np.ndarray, first: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The completion tokens of segments of `lengths` whose loss tokens are the spans
+    `[first, first + n)` within each, end to end."""
+    runs = np.empty((len(lengths), 3), np.int64)  # per segment: before, in and after its span
+    runs[:, 0], runs[:, 1] = first, n
+    runs[:, 2] = lengths - first - n
+    return np.resize(_OFF_ON_OFF, runs.size).repeat(runs.ravel())
 
 
 def _run_bounds(values: np.ndarray) -> np.ndarray:
@@ -168,9 +199,7 @@ def expand(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     if used.max(initial=0) > width:
         raise ValueError(f"ready arrays: a row holds {used.max()} tokens, more than the width {width}")
     total = int(lengths.sum())
-    tokens = arrays["tokens"]
-    if len(tokens) != total:
-        raise ValueError(f"ready arrays: tokens has {len(tokens)} entries, the segments {total}")
+    tokens = _tokens(arrays["tokens"], total)
     bits = arrays["completion"]
     if len(bits) != (total + 7) // 8:
         raise ValueError(f"ready arrays: completion has {len(bits)} bytes for {total} tokens")
@@ -192,7 +221,7 @@ def expand(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     versions = np.full(total, NO_VERSION, np.int32)
     versions[completion] = np.repeat(arrays["versions"].astype(np.int32), runs)
     flat = {
-        "tokens": (np.asarray(tokens, TOKEN_DTYPE), 0),
+        "tokens": (tokens, 0),
         "positions": ((np.arange(total, dtype=np.int64) - np.repeat(seg_starts, lengths)).astype(np.int32), 0),
         "segments": (np.repeat(seg_ids, lengths), 0),
         "loss_mask": (loss, False),
@@ -218,6 +247,15 @@ def expand(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out[name] = table
     out.update({name: arrays[name] for name in _ROLLOUT})
     return out
+
+
+def _tokens(tokens: np.ndarray, total: int) -> np.ndarray:
+    """The `total` token ids of `tokens` (int32 or uint16) as int32."""
+    if tokens.dtype not in _TOKEN_DTYPES:
+        raise ValueError(f"ready arrays: tokens must be int32 or uint16, got {tokens.dtype}")
+    if len(tokens) != total:
+        raise ValueError(f"ready arrays: tokens has {len(tokens)} entries, the segments {total}")
+    return np.asarray(tokens, TOKEN_DTYPE)
 
 
 def _same_length(first: str, values: np.ndarray, others: tuple[str, ...], arrays: Mapping) -> None:

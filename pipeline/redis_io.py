@@ -274,9 +274,11 @@ def send_commands(conn: redis.connection.Connection, commands: Sequence[tuple]) 
     """Write `commands` on `conn` (connected) in as few system calls as its socket allows:
     redis-py writes each large command with a call of its own, which on a transaction of many
     appended results costs more than the bytes; here a plain socket gathers up to
-    `_GATHER` commands per `sendmsg`. A TLS socket, which cannot gather, is written by
-    redis-py. Errors are redis-py's: TimeoutError, ConnectionError."""
-    packed = [hiredis.pack_command(args) for args in commands]
+    `_GATHER` buffers per `sendmsg`, and an argument of `_OWN_BUFFER` bytes or more (a step's
+    `Ready`) is sent from its own buffer rather than copied into its command's. A TLS socket,
+    which cannot gather, is written by redis-py. Errors are redis-py's: TimeoutError,
+    ConnectionError."""
+    packed = [buffer for args in commands for buffer in _resp(args)]
     sock = getattr(conn, "_sock", None)
     if sock is None or isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
         conn.send_packed_command(packed)
@@ -298,6 +300,31 @@ def send_commands(conn: redis.connection.Connection, commands: Sequence[tuple]) 
 
 
 _GATHER = 512  # buffers per sendmsg, within every system's IOV_MAX (1024 on Linux)
+_OWN_BUFFER = 1 << 16
+
+
+def _resp(args: tuple) -> list[bytes]:
+    """The buffers of one command in the Redis protocol: hiredis's packing of its arguments,
+    but each bytes argument of `_OWN_BUFFER` bytes or more is a buffer of its own (after its
+    length), not copied."""
+    own = [i for i, arg in enumerate(args) if type(arg) is bytes and len(arg) >= _OWN_BUFFER]
+    if not own:
+        return [hiredis.pack_command(args)]
+    out = [b"*%d\r\n" % len(args)]
+    start = 0
+    for i in own:
+        if i > start:
+            out.append(_without_count(hiredis.pack_command(args[start:i])))
+        out.extend((b"$%d\r\n" % len(args[i]), args[i], b"\r\n"))
+        start = i + 1
+    if start < len(args):
+        out.append(_without_count(hiredis.pack_command(args[start:])))
+    return out
+
+
+def _without_count(packed: bytes) -> bytes:
+    """Packed arguments without their `*N` line (to be spliced into a longer command)."""
+    return packed[packed.index(b"\r\n") + 2:]
 
 
 def exec_replies(conn: redis.connection.Connection, n: int) -> list | None:

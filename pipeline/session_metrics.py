@@ -58,7 +58,7 @@ def _merge_ratio(rollouts: Sequence[Rollout]) -> float:
 def _masking(groups: Sequence[Group], rollouts: Sequence[Rollout], packed: PackedBatch) -> dict[str, float]:
     """Share of rollouts, and of their completion tokens, that do not train."""
     if len(rollouts) == len(packed.rollout_group):  # these are the packed rollouts (usually)
-        completion = int(np.count_nonzero(packed.completion_cells))  # their chains' (empty ones aside)
+        completion = packed.completion_tokens  # their chains' (empty ones aside)
         if packed.rollout_trained.all():
             masked: list[Rollout] = []
         else:
@@ -82,9 +82,8 @@ def _masked(groups: Sequence[Group], packed: PackedBatch) -> list[Rollout]:
 
 
 def _completion_tokens(rollouts: Sequence[Rollout]) -> int:
-    """The completion (loss) tokens of the rollouts' chains, counted in one pass."""
-    masks = [c.loss_mask for r in rollouts for c in r.chains]
-    return int(np.count_nonzero(np.concatenate(masks))) if masks else 0
+    """The completion (loss) tokens of the rollouts' chains."""
+    return sum(c.loss_tokens for r in rollouts for c in r.chains)
 
 
 def _rewards(rollouts: Sequence[Rollout]) -> dict[str, float]:
@@ -114,12 +113,23 @@ def _latency(rollouts: Sequence[Rollout]) -> dict[str, float]:
 
 
 def _token_lag(packed: PackedBatch, updates: int) -> dict[str, float]:
-    versions = packed.cells("versions")[packed.cells("loss_mask")]  # the padding has no loss
-    if not versions.size:
+    spans = packed.spans
+    if spans is not None:  # each chain's loss tokens one span of one version: read per segment
+        trained = packed.rollout_trained[packed.segment_table.rollout]
+        counts, versions = spans.n[trained], spans.version[trained]
+        count = int(counts.sum())
+        lowest = int(versions.min()) if count else 0
+        version_sum = int(np.dot(counts, versions))
+    else:
+        versions = packed.cells("versions")[packed.cells("loss_mask")]  # the padding has no loss
+        count = versions.size
+        lowest = int(versions.min()) if count else 0
+        version_sum = int(np.add.reduce(versions, dtype=np.int64))
+    if not count:
         return {}
     # the lags' sum, exact in int64: the mean is that sum over the count, as numpy's mean gives
-    lag_sum = updates * versions.size - int(np.add.reduce(versions, dtype=np.int64))
-    return {"token_lag_mean": lag_sum / versions.size, "token_lag_max": float(updates - int(versions.min()))}
+    lag_sum = updates * count - version_sum
+    return {"token_lag_mean": lag_sum / count, "token_lag_max": float(updates - lowest)}
 
 
 def session_metrics(admitted: Sequence[Group], packed: PackedBatch, *, updates: int) -> dict[str, float]:

@@ -38,7 +38,7 @@ import msgspec
 import numpy as np
 
 from pipeline.chains import (
-    NO_VERSION, VERSION_DTYPE, Chain, Merged, chains_to_arrays, merged_calls, uniform_support)
+    NO_VERSION, VERSION_DTYPE, Chain, Merged, SpanChain, chains_to_arrays, merged_calls, uniform_support)
 from pipeline.config import MAX_MESSAGE_BYTES
 from pipeline.packing import Rollout
 from pipeline.ready import ReadyRecord, decode_record, record_builtins
@@ -194,8 +194,9 @@ def _task(v: Any, path: str) -> Task:
 _payload = _map(_native)  # a task's payload
 
 
-def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray:
-    """Packed little-endian bytes `v`, of `shape` (a msgpack array) or one-dimensional."""
+def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None, copy: bool = True) -> np.ndarray:
+    """Packed little-endian bytes `v`, of `shape` (a msgpack array) or one-dimensional: an
+    array of its own (`copy`), else a read-only view of `v` (for checks only)."""
     if not isinstance(v, bytes):
         raise SchemaError(path, f"expected bytes (msgpack bin), got {_tn(v)}")
     if shape is None:
@@ -206,7 +207,8 @@ def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None) -> np.ndarray
         raise SchemaError(path, f"{len(v)} bytes for shape {list(shape)} of {dtype.str}")
     elif math.prod(d for d in shape if d) * dtype.itemsize > MAX_MESSAGE_BYTES:  # an empty array's other sides
         raise SchemaError(path, f"shape {list(shape)} of {dtype.str} is too large")
-    return np.frombuffer(v, dtype).reshape(shape).copy()
+    arr = np.frombuffer(v, dtype).reshape(shape)
+    return arr.copy() if copy else arr
 
 
 _MIN = np.minimum.reduce  # an array's min, without `ndarray.min`'s Python layer
@@ -470,8 +472,9 @@ def _packed(name: str, values: list[int]) -> bytes:
 _PACKERS: dict[tuple[str, int], struct.Struct] = {}
 
 
-def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
-    """`{"dtype", "shape", "data"}` (a step's arrays) or, with `dtype`, `{"shape", "data"}`."""
+def _array(v: Any, path: str, dtype: np.dtype | None = None, copy: bool = True) -> np.ndarray:
+    """`{"dtype", "shape", "data"}` (a step's arrays) or, with `dtype`, `{"shape", "data"}`;
+    `copy=False`: a read-only view of the data, for checks only."""
     d = _struct(v, path, ("shape", "data") if dtype is not None else ("dtype", "shape", "data"))
     if dtype is None:
         if not isinstance(d["dtype"], str) or d["dtype"] not in ARRAY_DTYPES:
@@ -480,7 +483,7 @@ def _array(v: Any, path: str, dtype: np.dtype | None = None) -> np.ndarray:
     shape = _seq(_int)(d["shape"], f"{path}.shape")
     if len(shape) > _MAX_NDIM:
         raise SchemaError(f"{path}.shape", f"more than {_MAX_NDIM} dimensions")
-    arr = _shaped(d["data"], f"{path}.data", dtype, shape)
+    arr = _shaped(d["data"], f"{path}.data", dtype, shape, copy)
     if dtype.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
         raise SchemaError(f"{path}.data", "booleans must be bytes 0 or 1")
     if dtype.kind == "f" and not np.isfinite(arr).all():
@@ -500,13 +503,18 @@ _STATUSES = tuple(s.value for s in Status)
 # ---------------------------------------------------------------- messages
 
 
+def _compared_as(v: Any) -> type:
+    """The type a value compares as: a chain's is `Chain`, whatever form holds its arrays."""
+    return Chain if isinstance(v, Chain) else type(v)
+
+
 def _same(a: Any, b: Any) -> bool:
     """Equality that also holds for numpy arrays (by dtype, shape and values) inside values."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
                 and a.shape == b.shape and bool(np.array_equal(a, b)))
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
-        return type(a) is type(b) and all(
+        return _compared_as(a) is _compared_as(b) and all(
             _same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
@@ -699,7 +707,10 @@ def _ready_record_wire(v: Any) -> Any:
     return record_builtins(v) if isinstance(v, ReadyRecord) else _wire(v)
 
 
-@_message("ready", **_SHARD, step=_int, updates=_int, arrays=_map(_array), record=_opt(_ready_record),
+_step_arrays = _map(_array)  # a Ready's
+
+
+@_message("ready", **_SHARD, step=_int, updates=_int, arrays=_step_arrays, record=_opt(_ready_record),
           error=_opt(_str))
 @dataclass(frozen=True, eq=False)
 class Ready(_ShardMessage):
@@ -899,7 +910,8 @@ def _parse(d: Any, expect: type | tuple[type, ...] | None = None) -> Message:
     return cls(**values)
 
 
-_CHECK_ONLY = {_chains: _chain_parts}  # what `_check` runs in place of a checker that builds
+# what `_check` runs in place of a checker that builds
+_CHECK_ONLY = {_chains: _chain_parts, _step_arrays: _map(partial(_array, copy=False))}
 _STRUCTS = {cls: struct for struct, cls in _COMPILED.items()}  # converting to one kind's is ~10x faster
 
 
@@ -911,7 +923,7 @@ def _check(wire: dict, cls: type[Message], checked: frozenset[str] = frozenset()
         struct = msgspec.convert(wire, _STRUCTS.get(cls, _ANY_KIND), strict=True)
         for name, check in _UNCOMPILED[_COMPILED[type(struct)]]:
             if name not in checked:
-                _CHECK_ONLY.get(check, check)(getattr(struct, name), name)  # type: ignore[arg-type]
+                _CHECK_ONLY.get(check, check)(getattr(struct, name), name)
     except _REFUSED:
         _parse(wire)  # raises the SchemaError naming the field
 
@@ -1138,21 +1150,15 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
 def _one_runs(taken: list[tuple[int, _Piece]], tokens: np.ndarray, logprobs: np.ndarray,
               out: list[Result | None]) -> None:
     """The results of `taken` (checked pieces, by their index in `out`), each one chain whose
-    loss tokens are one run served by one version: each result's arrays made at its size, the
-    loss tokens' values written as one slice (the values `_expand_chains` puts there)."""
+    loss tokens are one run served by one version: a `SpanChain` of its own copy of its tokens
+    and of its loss tokens' log-probs (the per-token arrays `_expand_chains` makes are made
+    only if read)."""
     start = lp = 0
     for i, (values, _, calls, call_tokens, served, runs, _, _, _, total, first) in taken:
         end = start + total
         n_loss = runs[0]
-        loss = np.zeros(total, bool)
-        loss[first:first + n_loss] = True
-        full_logprobs = np.zeros(total, LOGPROB_DTYPE)
-        full_logprobs[first:first + n_loss] = logprobs[lp:lp + n_loss]
-        full_versions = np.empty(total, VERSION_DTYPE)
-        full_versions.fill(NO_VERSION)
-        full_versions[first:first + n_loss] = served[0]
-        values["chains"] = (Chain.trusted(tokens[start:end].copy(), loss, full_logprobs, full_versions, None,
-                                          calls[0], call_tokens[0], served),)
+        values["chains"] = (SpanChain.of(tokens[start:end].copy(), first, logprobs[lp:lp + n_loss].copy(),
+                                         served[0], calls[0], call_tokens[0]),)
         start, lp = end, lp + n_loss
         out[i] = _direct(Result, values)
 

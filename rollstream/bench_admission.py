@@ -7,7 +7,8 @@ Open, the Registrations of N / 8 tasks (stream admission, every sample in flight
 so every result names a running attempt) and the handover of step 0. Then an in-process
 `Admission` runs over them (`poll_once` in a loop: reading, the scheduler, held payloads,
 journal, packing, Ready and Record appends, acknowledgements); a trainer stub in the same
-loop hands the next step over as each Ready appears. The time until every result is
+loop hands the next step over as each Ready appears (after each poll: one read of the new
+`Ready` entries, then their handovers and deletions in one round trip). The time until every result is
 consumed and every step emitted gives rollouts per second.
 
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
@@ -156,13 +157,15 @@ def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, widt
             adm.poll_once(1)
             own_s, own_cpu_s = own_s + time.perf_counter() - p0, own_cpu_s + time.process_time() - q0
             reply = r.xread({ready: last}, count=100)
+            calls = r.pipeline(transaction=False)  # the stub's replies, one round trip a poll
             for _, items in reply or []:
                 for entry_id, fields in items:
                     last, emitted = entry_id, emitted + 1
                     ready_bytes += len(fields[wire.FIELD])
                     if emitted < steps:  # the trainer calls for the next step
-                        r.xadd(tasks, wire.to_fields(wire.Handover(0, 0, emitted, 0, None)))
-                    r.xdel(ready, entry_id)
+                        calls.xadd(tasks, wire.to_fields(wire.Handover(0, 0, emitted, 0, None)))
+                    calls.xdel(ready, entry_id)
+            calls.execute()
             if emitted >= steps:
                 pending = r.xpending(keys.results(0), adm.group)["pending"]
                 lag = r.xinfo_groups(keys.results(0))

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline import wire
-from pipeline.chains import Chain
+from pipeline.chains import Chain, SpanChain
 from pipeline.sessions import Call, Session, Status
 from tests.unit.test_fuzz_wire import FUZZ, KINDS
 from tests.unit.test_wire import MESSAGES
@@ -35,7 +35,14 @@ def same(a: wire.Result, b: wire.Result) -> None:
     assert type(a) is type(b) and list(vars(a)) == list(vars(b)) and a == b
     assert a.oldest_version == b.oldest_version
     for x, y in zip(a.chains, b.chains):
-        assert type(x) is Chain and [f.name for f in dataclasses.fields(x)] == list(vars(x))[:7]
+        if x.span is not None:  # one span of loss tokens, one version: kept as the wire has it
+            first, n, version = x.span
+            assert type(x) is SpanChain and x.loss_tokens == n == int(np.count_nonzero(y.loss_mask))
+            assert np.flatnonzero(y.loss_mask).tolist() == list(range(first, first + n))
+            assert (y.versions[y.loss_mask] == version).all()
+            assert np.array_equal(x.span_logprobs, y.logprobs[y.loss_mask])
+        else:
+            assert type(x) is Chain and [f.name for f in dataclasses.fields(x)] == list(vars(x))[:7]
         for name in ("tokens", "loss_mask", "logprobs", "versions"):
             u, v = getattr(x, name), getattr(y, name)
             assert u.dtype == v.dtype and u.shape == v.shape and u.flags.writeable == v.flags.writeable

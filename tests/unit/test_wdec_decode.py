@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline import wire
-from pipeline.chains import Chain
+from pipeline.chains import SpanChain
 from tests.unit.test_adm_decode_results import check_batch, result
 from tests.unit.test_fuzz_wire import FUZZ
 
@@ -59,12 +59,20 @@ def test_a_mixed_batch_decodes_as_each_alone():
     assert all(got is not None for got in check_batch(datas))
 
 
+def test_single_call_arrays_are_made_only_when_read():
+    got = wire.decode_results([result(s, [(7, 9, 2)], seed=s) for s in range(3)])
+    for r in got:
+        assert r is not None and type(r.chains[0]) is SpanChain
+        assert not {"loss_mask", "logprobs", "versions"} & set(vars(r.chains[0]))
+
+
 def test_single_call_arrays_are_each_results_own_and_writable():
     got = check_batch([result(s, [(7, 9, 2)], seed=s) for s in range(3)])
     for r in got:
         assert r is not None and len(r.chains) == 1
         chain = r.chains[0]
-        assert type(chain) is Chain and r.oldest_version == 2
+        assert type(chain) is SpanChain and chain.span == (7, 9, 2) and r.oldest_version == 2
+        assert chain.span_logprobs.base is None and chain.span_logprobs.dtype == np.float32
         for name in ("tokens", "loss_mask", "logprobs", "versions"):
             array = getattr(chain, name)
             assert array.base is None and array.flags.writeable and len(array) == 16

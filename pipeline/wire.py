@@ -197,7 +197,7 @@ _payload = _map(_native)  # a task's payload
 def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None, copy: bool = True) -> np.ndarray:
     """Packed little-endian bytes `v`, of `shape` (a msgpack array) or one-dimensional: an
     array of its own (`copy`), else a read-only view of `v` (for checks only)."""
-    if not isinstance(v, bytes):
+    if not isinstance(v, (bytes, memoryview)):  # (a view: a `Ready`'s wire form, checked before packing)
         raise SchemaError(path, f"expected bytes (msgpack bin), got {_tn(v)}")
     if shape is None:
         if len(v) % dtype.itemsize:
@@ -703,6 +703,27 @@ def _ready_record(v: Any, path: str) -> ReadyRecord:
         raise SchemaError(path, str(exc)) from None
 
 
+def _array_wire(v: np.ndarray, data: Callable[[np.ndarray], Any]) -> dict[str, Any]:
+    """An array's wire form, its little-endian data given by `data` (its bytes, or a view)."""
+    if v.dtype.kind not in "biuf":  # refused by the checks, and never turned into bytes
+        return {"dtype": v.dtype.str, "shape": list(v.shape), "data": b""}
+    dt = v.dtype.newbyteorder("<")
+    return {"dtype": dt.str, "shape": list(v.shape), "data": data(np.ascontiguousarray(v, dt))}
+
+
+def _byte_view(v: np.ndarray) -> memoryview:
+    return v.reshape(-1).data.cast("B")
+
+
+def _step_arrays_wire(arrays: Any) -> Any:
+    """A `Ready`'s arrays, each's data a view of the array (packed without a copy of its own:
+    a step's arrays are the largest thing the admission writes)."""
+    if type(arrays) is not dict:
+        return _wire(arrays)
+    return {name: _array_wire(v, _byte_view) if isinstance(v, np.ndarray) else _wire(v, 1)
+            for name, v in arrays.items()}
+
+
 def _ready_record_wire(v: Any) -> Any:
     return record_builtins(v) if isinstance(v, ReadyRecord) else _wire(v)
 
@@ -724,7 +745,8 @@ class Ready(_ShardMessage):
     record: ReadyRecord | None = None
     error: str | None = None
 
-    WIRE: ClassVar[dict[str, Callable[[Any], Any]]] = {"record": _ready_record_wire}
+    WIRE: ClassVar[dict[str, Callable[[Any], Any]]] = {"record": _ready_record_wire,
+                                                       "arrays": _step_arrays_wire}
     ADDED: ClassVar[frozenset[str]] = frozenset({"error"})
 
 
@@ -857,10 +879,7 @@ def _wire(v: Any, depth: int = 0) -> Any:
     if isinstance(v, Task):
         return {"id": v.id, "payload": _wire(v.payload, depth + 1)}
     if isinstance(v, np.ndarray):
-        if v.dtype.kind not in "biuf":  # refused by the checks, and never turned into bytes
-            return {"dtype": v.dtype.str, "shape": list(v.shape), "data": b""}
-        dt = v.dtype.newbyteorder("<")
-        return {"dtype": dt.str, "shape": list(v.shape), "data": np.ascontiguousarray(v, dt).tobytes()}
+        return _array_wire(v, np.ndarray.tobytes)
     if isinstance(v, Mapping):
         return {k: _wire(x, depth + 1) for k, x in v.items()}
     if isinstance(v, (list, tuple)):

@@ -274,11 +274,11 @@ def send_commands(conn: redis.connection.Connection, commands: Sequence[tuple]) 
     """Write `commands` on `conn` (connected) in as few system calls as its socket allows:
     redis-py writes each large command with a call of its own, which on a transaction of many
     appended results costs more than the bytes; here a plain socket gathers up to
-    `_GATHER` buffers per `sendmsg`, and an argument of `_OWN_BUFFER` bytes or more (a step's
-    `Ready`) is sent from its own buffer rather than copied into its command's. A TLS socket,
+    `_GATHER` buffers per `sendmsg`, and a last argument of `_OWN_BUFFER` bytes or more (a
+    step's `Ready`) is sent from its own buffer rather than copied into its command's. A TLS socket,
     which cannot gather, is written by redis-py. Errors are redis-py's: TimeoutError,
     ConnectionError."""
-    packed = [buffer for args in commands for buffer in _resp(args)]
+    packed = _packed(commands)
     sock = getattr(conn, "_sock", None)
     if sock is None or isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
         conn.send_packed_command(packed)
@@ -303,28 +303,21 @@ _GATHER = 512  # buffers per sendmsg, within every system's IOV_MAX (1024 on Lin
 _OWN_BUFFER = 1 << 16
 
 
-def _resp(args: tuple) -> list[bytes]:
-    """The buffers of one command in the Redis protocol: hiredis's packing of its arguments,
-    but each bytes argument of `_OWN_BUFFER` bytes or more is a buffer of its own (after its
-    length), not copied."""
-    own = [i for i, arg in enumerate(args) if type(arg) is bytes and len(arg) >= _OWN_BUFFER]
-    if not own:
-        return [hiredis.pack_command(args)]
-    out = [b"*%d\r\n" % len(args)]
-    start = 0
-    for i in own:
-        if i > start:
-            out.append(_without_count(hiredis.pack_command(args[start:i])))
-        out.extend((b"$%d\r\n" % len(args[i]), args[i], b"\r\n"))
-        start = i + 1
-    if start < len(args):
-        out.append(_without_count(hiredis.pack_command(args[start:])))
-    return out
-
-
-def _without_count(packed: bytes) -> bytes:
-    """Packed arguments without their `*N` line (to be spliced into a longer command)."""
-    return packed[packed.index(b"\r\n") + 2:]
+def _packed(commands: Sequence[tuple]) -> list[bytes]:
+    """The buffers of `commands` in the Redis protocol: hiredis's packing of each, but a
+    command whose last argument is bytes of `_OWN_BUFFER` or more (an XADD of a step's
+    `Ready`) sends that argument from its own buffer, after its length, instead of a copy."""
+    packed: list[bytes] = []
+    pack = hiredis.pack_command
+    for args in commands:
+        last = args[-1]
+        if type(last) is bytes and len(last) >= _OWN_BUFFER:
+            head = pack(args[:-1])
+            packed += (b"*%d\r\n" % len(args), head[head.index(b"\r\n") + 2:], b"$%d\r\n" % len(last), last,
+                       b"\r\n")
+        else:
+            packed.append(pack(args))
+    return packed
 
 
 def exec_replies(conn: redis.connection.Connection, n: int) -> list | None:

@@ -1121,14 +1121,19 @@ def _negative_duration(timings: Mapping[str, float]) -> bool:
 # the vocabulary, log-probs) once over the batch's arrays joined, and expands the loss tokens'
 # log-probs and versions once for the whole batch; each result gets its own copy of its
 # span of those arrays (a held result keeps no other result's tokens alive), its chains
-# cut from it as `_expand_chains` cuts them.
+# cut from it as `_expand_chains` cuts them; a single call's result (one chain, one run of
+# loss tokens) keeps its own decoded token and log-prob buffers instead (`_one_runs`).
 # It takes only what `decode` + `check_result` accept, with the same values: anything either
 # would refuse (or that it does not handle: another kind, sampling support) is left to them.
 
+_OWN_BUFFERS = ("tokens", "logprobs")
 # a Result whose chains are packed bytes without support, the fields checked in C as the
 # compiled struct checks them: anything else is refused here and left to `decode`
-_CHAINS_WIRE = msgspec.defstruct("ChainsWire", [*((name, bytes) for name in _CHAIN_DTYPES), ("support", None)],
-                                 forbid_unknown_fields=True)
+# (the token ids and log-probs as a bytearray each: an array of the result's own, writable,
+# made without a second copy)
+_CHAINS_WIRE = msgspec.defstruct("ChainsWire", [
+    *((name, bytearray if name in _OWN_BUFFERS else bytes) for name in _CHAIN_DTYPES), ("support", None)],
+    forbid_unknown_fields=True)
 _RESULTS_WIRE = _compile(Result, chains=_CHAINS_WIRE)
 # tagged by "k", as `_DECODER` (one struct alone would take a message without its tag)
 _RESULT_OR_ANY_KIND: Any = Union[tuple([_RESULTS_WIRE, *(s for s, cls in _COMPILED.items() if cls is not Result)])]
@@ -1160,25 +1165,22 @@ def decode_results(datas: Sequence[Any], *, vocab: int | None = None,
     if len(logprobs) and not finite_logprobs(logprobs):
         return out
     if all(p[10] >= 0 for p in pieces):
-        _one_runs(taken, tokens, logprobs, out)
+        _one_runs(taken, out)
     else:
         _expanded(taken, tokens, logprobs, out)
     return out
 
 
-def _one_runs(taken: list[tuple[int, _Piece]], tokens: np.ndarray, logprobs: np.ndarray,
-              out: list[Result | None]) -> None:
+def _one_runs(taken: list[tuple[int, _Piece]], out: list[Result | None]) -> None:
     """The results of `taken` (checked pieces, by their index in `out`), each one chain whose
-    loss tokens are one run served by one version: a `SpanChain` of its own copy of its tokens
-    and of its loss tokens' log-probs (the per-token arrays `_expand_chains` makes are made
-    only if read)."""
-    start = lp = 0
-    for i, (values, _, calls, call_tokens, served, runs, _, _, _, total, first) in taken:
-        end = start + total
-        n_loss = runs[0]
-        values["chains"] = (SpanChain.of(tokens[start:end].copy(), first, logprobs[lp:lp + n_loss].copy(),
-                                         served[0], calls[0], call_tokens[0]),)
-        start, lp = end, lp + n_loss
+    loss tokens are one run served by one version: a `SpanChain` whose tokens and loss tokens'
+    log-probs are arrays over the entry's own buffers (the bytearrays its decode made, so
+    writable and no other result's; the per-token arrays `_expand_chains` makes are made only
+    if read)."""
+    for i, (values, _, calls, call_tokens, served, _, token_bytes, _, logprob_bytes, _, first) in taken:
+        values["chains"] = (SpanChain.of(np.frombuffer(token_bytes, TOKEN_DTYPE), first,
+                                         np.frombuffer(logprob_bytes, LOGPROB_DTYPE), served[0], calls[0],
+                                         call_tokens[0]),)
         out[i] = _direct(Result, values)
 
 

@@ -72,10 +72,16 @@ def test_single_call_arrays_are_each_results_own_and_writable():
         assert r is not None and len(r.chains) == 1
         chain = r.chains[0]
         assert type(chain) is SpanChain and chain.span == (7, 9, 2) and r.oldest_version == 2
-        assert chain.span_logprobs.base is None and chain.span_logprobs.dtype == np.float32
+        assert chain.span_logprobs.dtype == np.float32 and len(chain.span_logprobs) == 9
+        for array in (chain.tokens, chain.span_logprobs):  # over a buffer of its own, no other result's
+            assert array.flags.writeable and type(array.base.obj) is bytearray
+            assert len(array.base.obj) == array.nbytes
         for name in ("tokens", "loss_mask", "logprobs", "versions"):
             array = getattr(chain, name)
-            assert array.base is None and array.flags.writeable and len(array) == 16
+            assert (array.base is None or name == "tokens") and array.flags.writeable and len(array) == 16
+        tokens = chain.tokens.copy()
+        got[0].chains[0].tokens[0] += 1  # another result's arrays do not change
+        assert (chain.tokens == tokens).all() or r is got[0]
         assert chain.loss_mask.tolist() == [False] * 7 + [True] * 9
         assert chain.versions.tolist() == [-1] * 7 + [2] * 9
         assert (chain.logprobs[:7] == 0).all() and (chain.logprobs[7:] < 0).all()

@@ -679,9 +679,10 @@ class Result(_SampleMessage):
         return min((v for c in chains if (v := c.oldest_version) is not None), default=None)
 
     def rollout(self) -> Rollout:
-        """What packing needs of this result (the chains as they are, no merge)."""
-        return Rollout(self.sample, self.status, self.chains, self.reward, dict(self.components),
-                       self.truncation, dict(self.timings))
+        """What packing needs of this result (the chains as they are, no merge; the
+        components and timings maps shared, not copied: a message's maps are never changed)."""
+        return Rollout(self.sample, self.status, self.chains, self.reward, self.components, self.truncation,
+                       self.timings)
 
 
 @_message("weights", version=_int, location=_nonempty_str, digest=_str, size=_int)

@@ -150,6 +150,76 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
             "waste_share": round(waste, 4), "trained_length_vs_workload": round(trained_mean / mean, 4)}
 
 
+def least_waste_share_fixed_window(workload: dict, lag: int, share: float, points: int = 256) -> dict:
+    """A lower bound on the waste share of any policy that fixes, before it starts a group's
+    first attempt, the step at which the group will train ("fixed window": `batch`, whose
+    batch b trains at step b), training `share` of the capacity bound at `max_lag` `lag` on
+    `workload`'s sessions when a rollout's staleness counts from its END (its one call made as
+    it ends, `SleepSource`), with the trainer's pushes evenly spaced. It does NOT bind a
+    policy that picks a group's step after the fact (`stream`, which trains a group at
+    whichever step finds it complete): no bound for those was derived.
+
+    The rule (`Scheduler._on_finish`, `_recheck_lag`): a result carries the version served
+    as it ends (the pushes before its end) and is admitted when the trainer's update count
+    minus that version is at most `lag`, checked as it ends, at each handover and again when
+    its group is handed to the trainer. A group trained at step k therefore has every member
+    ending in [T(k - lag), T(k + 1)) (T(j): the j-th push): a window of W = (lag + 1) * P,
+    P = groups * batch_size * mean / (share * slots) as in `least_waste_share` (relaxed: the
+    step is emitted, and training starts, before T(k + 1)).
+
+    Every attempt's length d is an independent draw learnt only as it ends, so the age at
+    which the policy would give an attempt up (a, whatever it has seen of other attempts) is
+    independent of d. With the window fixed, an attempt started u before it opens is trained
+    only if u <= d <= min(a, u + W); otherwise its busy time is wasted: E[d; d < u] (ended
+    before the window) + a * S(a) (given up; S: the share longer than a), against a busy
+    time of E[min(d, a)]. Attempts trained are at most those that land (the rest of a group
+    that does not fill, and surplus landings, are waste too), so wasted / busy over all
+    attempts is at least the least per-attempt ratio (E[d; d < u] + a * S(a)) / E[min(d, a)]
+    over u >= 0 and a <= u + W (a start after the window opens is u = 0 with a at most the
+    window left; giving up later than the window's close trains nothing more). That minimum is bounded below cell by cell on
+    a grid of `points` steps of W (per cell: the wasted part at the cell's least u and a and
+    S at its largest a, over the busy time at its largest a, or over a itself), so the
+    figure is a bound, not the best grid point; above u = W the ratio is at least
+    E[d; d < W] / mean. Slot-seconds idle, or still running or waiting when a finite run
+    stops, are not in it: it is the steady state's (a finite run counts pending work as busy
+    and not wasted, which lowers its waste share). `start_before_s` and `give_up_at_s` are
+    the best grid point, and `trained_length_vs_workload` its trained sessions' mean length
+    over the workload's."""
+    median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
+    mean = capped_lognormal_mean(median, sigma, cap)
+    push_s = workload["groups"] * workload["batch_size"] * mean / (share * workload["slots"])
+    window = (lag + 1) * push_s
+    t = np.array([window * k / points for k in range(2 * points + 2)])  # ages up to 2W and a step
+    longer = np.array([_longer(x, median, sigma, cap) for x in t])
+    busy = np.array([capped_lognormal_mean(median, sigma, min(x, cap * median) / median) if x > 0 else 0.0
+                     for x in t])  # E[min(d, t)]
+    short = busy - t * longer  # E[d; d < t]
+    i, j = np.meshgrid(np.arange(points), np.arange(points + 1), indexing="ij")
+    j = i + j  # a in cell [t_j, t_j+1] for u in cell [t_i, t_i+1]: a <= u + W
+    low, high = j, j + 1
+    wasted = short[i] + t[low] * longer[high]  # at most the cell's wasted part
+    cells = np.maximum(wasted / busy[high], np.divide(short[i], t[high]) + longer[high])
+    bound = min(float(cells.min()), float(short[points] / mean))
+    point = (short[i] + t[j] * longer[j]) / np.where(busy[j] > 0, busy[j], np.inf)
+    bi, bj = np.unravel_index(np.argmin(np.where(j > i, point, np.inf)), point.shape)
+    u, a = t[bi], t[bi + bj]
+    landed = short[bi + bj] - short[bi]  # E[d; u <= d < a]
+    trained_mean = landed / ((1.0 - longer[bi + bj]) - (1.0 - longer[bi]))
+    return {"share": share, "policies": "fixed window", "push_interval_s": round(push_s, 4),
+            "window_s": round(window, 4), "start_before_s": round(float(u), 4),
+            "give_up_at_s": round(float(a), 4), "waste_share": math.floor(bound * 1e4) / 1e4,
+            "trained_length_vs_workload": round(float(trained_mean) / mean, 4)}
+
+
+def _longer(a: float, median: float, sigma: float, cap: float) -> float:
+    """S(a): the share of capped log-normal sessions longer than a."""
+    if a >= cap * median or sigma == 0:
+        return float(a < median)
+    if a <= 0:
+        return 1.0
+    return 0.5 * math.erfc(math.log(a / median) / (sigma * math.sqrt(2.0)))
+
+
 def _cutoffs(workload: dict, points: int = 400) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per attempt given up at age a (a geometric grid up to the longest session; the last
     point never gives up): the age, busy slot-seconds E[min(d, a)], the chance it ends by
@@ -479,6 +549,11 @@ def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
     if "batch" in policies:  # the least waste at batch's share: staleness from the start, steady pushes
         out["bound"] = {str(lag): least_waste_share(workload, lag, points[str(lag)]["batch"]["capacity_share"])
                         for lag in lags}
+        # the least waste at batch's share of a policy that fixes each group's step before
+        # starting it, staleness from the end (the bench's sessions), steady pushes
+        out["bound_fixed_window"] = {
+            str(lag): least_waste_share_fixed_window(workload, lag, points[str(lag)]["batch"]["capacity_share"])
+            for lag in lags}
         # the most any policy trains at half batch's waste share, whatever its staleness
         out["best_share"] = {str(lag): best_share(workload, points[str(lag)]["batch"]["waste_share"] / 2)
                              for lag in lags}
@@ -579,6 +654,12 @@ def format_frontier(result: dict) -> str:
         lines.append("least waste share at batch's share, staleness from the start, "
                      "steady pushes (trained length):")
         lines.append(f"{'bound':8s} " + " ".join(f"{c:>22s}" for c in cells))
+    if "bound_fixed_window" in result:
+        cells = [f"{b['waste_share']:.3f} ({b['trained_length_vs_workload']:.2f})"
+                 for b in result["bound_fixed_window"].values()]
+        lines.append("least waste share at batch's share, staleness from the end, steady pushes, "
+                     "only policies that fix a group's step before starting it (not stream):")
+        lines.append(f"{'fixed':8s} " + " ".join(f"{c:>22s}" for c in cells))
     if "best_share" in result:
         cells = [f"{b['share']:.3f} at {b['waste_share']:.3f}" for b in result["best_share"].values()]
         lines.append("the most any policy trains at half batch's waste share, whatever its staleness:")

@@ -152,12 +152,14 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
 
 def least_waste_share_fixed_window(workload: dict, lag: int, share: float, points: int = 256) -> dict:
     """A lower bound on the waste share of any policy that fixes, before it starts a group's
-    first attempt, the step at which the group will train ("fixed window": `batch`, whose
-    batch b trains at step b), training `share` of the capacity bound at `max_lag` `lag` on
-    `workload`'s sessions when a rollout's staleness counts from its END (its one call made as
-    it ends, `SleepSource`), with the trainer's pushes evenly spaced. It does NOT bind a
+    first attempt, the step at which the group will train ("fixed window", as `batch` does:
+    its batch b trains at step b), training `share` of the capacity bound at `max_lag` `lag`
+    on `workload`'s sessions when a rollout's staleness counts from its END (its one call made
+    as it ends, `SleepSource`), with the trainer's pushes evenly spaced. It does NOT bind a
     policy that picks a group's step after the fact (`stream`, which trains a group at
-    whichever step finds it complete): no bound for those was derived.
+    whichever step finds it complete): no bound for those was derived. Nor, strictly, does
+    it bind `batch` itself, whose pushes wait for its groups instead of coming evenly (as
+    with `least_waste_share`); its simulated waste stays above the bound at its share.
 
     The rule (`Scheduler._on_finish`, `_recheck_lag`): a result carries the version served
     as it ends (the pushes before its end) and is admitted when the trainer's update count

@@ -132,16 +132,14 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
     step's sessions together and its push waits for the groups it needs, idling slots."""
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
-    push_s = workload["groups"] * workload["batch_size"] * mean / (share * workload["slots"])
+    push_s = _push_interval(workload, share, mean)
     window = lag * push_s
 
     def longer(a: float) -> float:
-        if a >= cap * median or sigma == 0:
-            return float(a < median)
-        return 0.5 * math.erfc((math.log(a / median)) / (sigma * math.sqrt(2.0)))
+        return _longer(a, median, sigma, cap)
 
-    def busy(a: float) -> float:  # E[min(d, a)]
-        return capped_lognormal_mean(median, sigma, min(a, cap * median) / median)
+    def busy(a: float) -> float:
+        return _busy(a, median, sigma, cap)
 
     waste, age = min((a * longer(a) / busy(a), a) for a in (window * k / 256 for k in range(1, 257)))
     trained_mean = (busy(age) - age * longer(age)) / (1.0 - longer(age))
@@ -189,17 +187,16 @@ def least_waste_share_fixed_window(workload: dict, lag: int, share: float, point
     over the workload's."""
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
-    push_s = workload["groups"] * workload["batch_size"] * mean / (share * workload["slots"])
+    push_s = _push_interval(workload, share, mean)
     window = (lag + 1) * push_s
     t = np.array([window * k / points for k in range(2 * points + 2)])  # ages up to 2W and a step
     longer = np.array([_longer(x, median, sigma, cap) for x in t])
-    busy = np.array([capped_lognormal_mean(median, sigma, min(x, cap * median) / median) if x > 0 else 0.0
-                     for x in t])  # E[min(d, t)]
+    busy = np.array([_busy(x, median, sigma, cap) for x in t])  # E[min(d, t)]
     short = busy - t * longer  # E[d; d < t]
     i, j = np.meshgrid(np.arange(points), np.arange(points + 1), indexing="ij")
     j = i + j  # a in cell [t_j, t_j+1] for u in cell [t_i, t_i+1]: a <= u + W
-    low, high = j, j + 1
-    wasted = short[i] + t[low] * longer[high]  # at most the cell's wasted part
+    high = j + 1
+    wasted = short[i] + t[j] * longer[high]  # at most the cell's wasted part
     cells = np.maximum(wasted / busy[high], np.divide(short[i], t[high]) + longer[high])
     bound = min(float(cells.min()), float(short[points] / mean))
     point = (short[i] + t[j] * longer[j]) / np.where(busy[j] > 0, busy[j], np.inf)
@@ -213,6 +210,12 @@ def least_waste_share_fixed_window(workload: dict, lag: int, share: float, point
             "trained_length_vs_workload": round(float(trained_mean) / mean, 4)}
 
 
+def _push_interval(workload: dict, share: float, mean: float) -> float:
+    """Seconds between the trainer's pushes at `share` of the capacity bound: a step trains
+    `groups * batch_size` samples of mean length `mean` on `slots` slots."""
+    return workload["groups"] * workload["batch_size"] * mean / (share * workload["slots"])
+
+
 def _longer(a: float, median: float, sigma: float, cap: float) -> float:
     """S(a): the share of capped log-normal sessions longer than a."""
     if a >= cap * median or sigma == 0:
@@ -220,6 +223,11 @@ def _longer(a: float, median: float, sigma: float, cap: float) -> float:
     if a <= 0:
         return 1.0
     return 0.5 * math.erfc(math.log(a / median) / (sigma * math.sqrt(2.0)))
+
+
+def _busy(a: float, median: float, sigma: float, cap: float) -> float:
+    """E[min(d, a)]: the slot-seconds of a capped log-normal session given up at age a."""
+    return capped_lognormal_mean(median, sigma, min(a, cap * median) / median) if a > 0 else 0.0
 
 
 def _cutoffs(workload: dict, points: int = 400) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -232,8 +240,8 @@ def _cutoffs(workload: dict, points: int = 400) -> tuple[list[float], list[float
     ages = [median * cap * (1e-3 / cap) ** (1 - k / (points - 1)) for k in range(points)]
     busy, ends, wasted = [], [], []
     for a in ages:
-        longer = 0.0 if a >= cap * median else 0.5 * math.erfc(math.log(a / median) / (sigma * math.sqrt(2.0)))
-        busy.append(capped_lognormal_mean(median, sigma, min(a, cap * median) / median))
+        longer = _longer(a, median, sigma, cap)
+        busy.append(_busy(a, median, sigma, cap))
         ends.append(1.0 - longer)
         wasted.append(a * longer)
     return ages, busy, ends, wasted

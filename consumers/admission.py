@@ -9,21 +9,22 @@ a scheduler event; and carries out the actions:
 |-------------|--------|
 | Submit      | XADD `work` a `wire.Work` (deadline on the wall clock: `now` is `time.time()`) |
 | Cancel      | XADD `control` a `wire.Cancel`, and ZADD the attempt to `cancelled:{shard}` |
-| Discard     | HDEL the attempt's held result (a superseded result was never held) |
+| Discard     | release the attempt's held result (a superseded result was never held) |
 | Emit        | pack the held results, XADD `ready:{shard}` a `wire.Ready`, `records:{shard}` a `wire.Record` |
 | Fail        | XADD `ready:{shard}` a `wire.Ready` with the `error` (a traceback) |
 | Abandon     | counted and logged |
 | PushWeights | logged: the distributed trainer publishes itself and reports `published` |
 
 Delivery: every read batch is one `MULTI/EXEC` holding, for each transition in order, its
-appended entries, its journal entry (the event and its `now`, see `consumers.journal`), its
-held-result writes (one HSET at the end for all of them) and the `XACK` of its input. A kill -9 anywhere leaves either all of it
+appended entries, its journal entry (the event and its `now`, see `consumers.journal`) and
+the `XACK` of its input. A kill -9 anywhere leaves either all of it
 or none of it; what was not committed is still pending in the group and is processed again
 on restart, after the machine is rebuilt from the snapshot and the journal. An admitted
-result is held in `held:{shard}` until its step is emitted, by reference: the hash holds
-the id of its entry of `results:{shard}` (`REF` then the id), and trimming keeps the stream
-from the lowest id held (`trim`). Only a result cut to the row width, which no entry holds
-as cut, is held as its encoded payload.
+result is held until its step is emitted, by reference: its entry of `results:{shard}`
+stays in the stream, its Finish's journal entry (and every snapshot while it is held) names
+the entry's id, and trimming keeps the stream from the lowest id held (`trim`). Nothing is
+written to hold it. Only a result cut to the row width, which no entry holds as cut, is held
+as its encoded payload, in `held:{shard}` (one HSET a transaction).
 
 Leases: rollout consumers hold their work as pending entries of the `work` stream's
 `WORK_GROUP` and renew them by re-claiming. Every `lease_s / 2` this consumer lists entries
@@ -134,8 +135,9 @@ DEAD_MAXLEN = 10_000
 _NONE_HELD: dict[int, set[str]] = {}  # an epoch without held results (never changed)
 
 REF = b"@"
-"""A held value that starts with this is `REF` + the id of the result's entry of
-`results:{shard}` (a payload is a msgpack map, which never starts with it)."""
+"""A value of `held:{shard}` that starts with this is `REF` + the id of the result's entry of
+`results:{shard}` (a payload is a msgpack map, which never starts with it): how a result was
+held by reference before the journal named it; still read on recovery."""
 
 
 class _Commands:
@@ -181,7 +183,8 @@ class _Commands:
 
 
 class _Txn:
-    """One MULTI/EXEC being assembled: effects and journal entries in order, acks, and the
+    """One MULTI/EXEC being assembled: effects and journal entries in order, acks, the
+    entry ids of the results it holds by reference (journaled with their Finish), and the
     held payloads it writes (so a step emitted in the same transaction can read them; they
     are written in one HSET at the end, less those the same transaction released)."""
 
@@ -189,6 +192,7 @@ class _Txn:
         self.pipe = _Commands()
         self.observe: list[Callable[[Metrics], None]] = []  # metrics, applied once committed
         self.held: dict[str, bytes | None] = {}
+        self.refs: dict[int, bytes] = {}  # by the index of its Finish in `journal`
         self.acks: dict[tuple[str, str], list[bytes]] = defaultdict(list)
         self.journal: list[tuple[Event, float]] = []  # the transitions' events and times, in order
         self.bytes = 0  # payload bytes staged
@@ -196,6 +200,11 @@ class _Txn:
     def xadd(self, stream: str, fields: dict[bytes, bytes]) -> None:
         self.bytes += sum(map(len, fields.values()))
         self.pipe.xadd(stream, fields)
+
+    def append(self, stream: str, data: bytes) -> None:
+        """`xadd(stream, {wire.FIELD: data})`: an encoded message, as `wire.to_fields` carries it."""
+        self.bytes += len(data)
+        self.pipe.stack.append(streams.xadd_field_args(stream, wire.FIELD, data))
 
     @property
     def transitions(self) -> int:
@@ -248,6 +257,7 @@ class Admission:
             k.weights: wire.Weights,
         }
         self._new = {stream: ">" for stream in self._expect}  # a read of new entries
+        self._work = k.work
         self._next_reclaim = 0.0
         self._next_taken_back = 0.0
         self._unapplied = 0  # entries of the batch being applied not applied yet (`_transitions`)
@@ -331,16 +341,38 @@ class Admission:
                  self.sched.epoch, self.sched.in_flight)
 
     def _rebuild(self) -> None:
-        self.sched, self._since_snapshot = journal.load(
+        self.sched, self._since_snapshot, refs = journal.load(
             self.r, self.keys, self.shard, self.config.scheduler)
         self._snapshot_after = self._snapshot_interval()
         # the members held, by epoch then group (`_hold`)
         self._held: dict[int, dict[int, set[str]]] = {}
         # the held results this process decoded, by member: never trusted across a rebuild
         self._decoded: dict[str, Rollout] = {}
-        for name in self.r.hkeys(self.keys.held(self.shard)):
+        # the entry id of each result held by reference; the members whose payload
+        # `held:{shard}` has, and those it has as a reference (written by an earlier version)
+        self._refs: dict[str, bytes] = {}
+        self._stored: set[str] = set()
+        self._stored_refs: set[str] = set()
+        for name, value in self.r.hgetall(self.keys.held(self.shard)).items():
+            if value.startswith(REF):
+                self._refs[text(name)] = value[len(REF):]
+                self._stored_refs.add(text(name))
+            else:
+                self._stored.add(text(name))
+        admitted = set(map(member, self.sched.admitted_keys()))
+        self._refs.update((name, ref) for name, ref in refs.items()
+                          if name in admitted and name not in self._stored)
+        for name in [*self._stored, *self._refs]:
             key = parse_member(name)
-            self._held.setdefault(key.epoch, {}).setdefault(key.group, set()).add(text(name))
+            self._held.setdefault(key.epoch, {}).setdefault(key.group, set()).add(name)
+
+    def held(self) -> set[str]:
+        """The members whose results this consumer holds until their step."""
+        return {name for groups in self._held.values() for names in groups.values() for name in names}
+
+    def held_count(self) -> int:
+        """How many results it holds (as `len(held())`; safe to read from another thread)."""
+        return len(self._refs) + len(self._stored)
 
     # ------------------------------------------------------------------ reading
 
@@ -461,7 +493,7 @@ class Admission:
         else:
             held = None
             if isinstance(msg, wire.Result):  # the entry itself, unless cut to the row width
-                held = (REF + entry_id if payload is fields[wire.FIELD] else payload, msg.rollout())
+                held = ((entry_id, None) if payload is fields[wire.FIELD] else (None, payload), msg.rollout())
             self._apply(txn, event, held)
         if isinstance(msg, wire.Result):
             duration = _duration(msg.timings)
@@ -525,10 +557,10 @@ class Admission:
         return cut, encoded, replace(event, status=cut.status)
 
     def _apply(self, txn: _Txn, event: Event,
-               payload: tuple[bytes, Rollout] | None = None) -> list[Action]:
+               payload: tuple[tuple[bytes | None, bytes | None], Rollout] | None = None) -> list[Action]:
         """Apply `event` now, journal it and stage its effects. `payload` is what holds the
-        result of a Finish (a reference to its entry, or its encoded payload) and its
-        decoded rollout, held if the scheduler admits it."""
+        result of a Finish (the id of its entry, or its encoded payload when it was cut)
+        and its decoded rollout, held if the scheduler admits it."""
         now = self.clock()
         actions = self.sched.handle(event, now)
         txn.journal.append((event, now))
@@ -537,7 +569,8 @@ class Admission:
             self._drop_epochs(txn, keep=self.sched.epoch if isinstance(event, Open) else None)
         if isinstance(event, Finish) and payload is not None and not any(
                 isinstance(a, Discard) and a.key == event.key for a in actions):
-            self._hold(txn, event.key, *payload)
+            (ref, data), rollout = payload
+            self._hold(txn, event.key, ref, data, rollout)
         for action in actions:
             self._carry_out(txn, action, now)
         txn.observe.append(lambda m: (m.observe_event(self.shard, event),
@@ -573,11 +606,13 @@ class Admission:
         for (stream, group), ids in txn.acks.items():
             streams.ack(txn.pipe, stream, group, *ids)
         snapshot = self._since_snapshot + txn.transitions >= self._snapshot_after
-        if snapshot:  # it covers this transaction's events too
-            txn.pipe.hset(self.keys.state(self.shard), journal.SNAPSHOT, journal.encode_snapshot(self.sched))
+        if snapshot:  # it covers this transaction's events too, and the results they hold
+            txn.pipe.hset(self.keys.state(self.shard), mapping={
+                journal.SNAPSHOT: journal.encode_snapshot(self.sched), journal.HELD: journal.encode_held(self._refs)})
             txn.pipe.delete(self.keys.journal(self.shard))
         elif txn.journal:  # the transaction's events, in order, in one entry
-            txn.pipe.xadd(self.keys.journal(self.shard), {journal.FIELD: journal.encode_events(txn.journal)})
+            txn.pipe.xadd(self.keys.journal(self.shard),
+                          {journal.FIELD: journal.encode_events(txn.journal, txn.refs)})
         self.fence.renew_in(txn.pipe)
         self._execute(txn)
         self._since_snapshot = 0 if snapshot else self._since_snapshot + txn.transitions
@@ -616,11 +651,11 @@ class Admission:
 
     def _carry_out(self, txn: _Txn, action: Action, now: float) -> None:
         k, shard = self.keys, self.shard
-        if isinstance(action, Submit):
+        if isinstance(action, Submit):  # its task was checked on input: encoded as trusted
             key = action.key
-            work = wire.Work(shard, key.epoch, key.group, key.sample, key.attempt, action.task,
-                             action.submitted_version, action.deadline, action.cause)
-            txn.xadd(k.work, wire.to_fields(work, trusted=True))  # its task was checked on input
+            txn.append(self._work, wire.work_bytes(shard, key.epoch, key.group, key.sample, key.attempt,
+                                                   action.task, action.submitted_version, action.deadline,
+                                                   action.cause))
         elif isinstance(action, Cancel):
             key = action.key
             cancel = wire.Cancel(shard, key.epoch, key.group, key.sample, key.attempt, action.reason)
@@ -689,10 +724,18 @@ class Admission:
 
     # ------------------------------------------------------------------ held payloads
 
-    def _hold(self, txn: _Txn, key: SampleKey, payload: bytes, rollout: Rollout) -> None:
+    def _hold(self, txn: _Txn, key: SampleKey, ref: bytes | None, payload: bytes | None,
+              rollout: Rollout) -> None:
+        """Hold an admitted result: by `ref`, the id of its entry (journaled with its Finish,
+        the last event of `txn`), or as its encoded `payload`."""
         name = member(key)
-        txn.bytes += len(payload)
-        txn.held[name] = payload
+        if ref is not None:
+            self._refs[name] = ref
+            txn.refs[len(txn.journal) - 1] = ref
+        else:
+            txn.bytes += len(payload)
+            txn.held[name] = payload
+            self._stored.add(name)
         groups = self._held.get(key.epoch)
         if groups is None:
             groups = self._held[key.epoch] = {}
@@ -704,7 +747,7 @@ class Admission:
 
     def _unhold(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str] | None = None) -> None:
         """Release the held results of `keys` (`names`: their members, when known)."""
-        released = []
+        stored = []
         for key, name in zip(keys, names if names is not None else map(member, keys), strict=True):
             groups = self._held.get(key.epoch, _NONE_HELD)
             held = groups.get(key.group)
@@ -714,11 +757,15 @@ class Admission:
                     del groups[key.group]
                     if not groups:
                         del self._held[key.epoch]
-                released.append(name)
-                txn.held[name] = None
                 self._decoded.pop(name, None)
-        if released:
-            txn.pipe.hdel(self.keys.held(self.shard), *released)
+                self._refs.pop(name, None)
+                if name in self._stored or name in self._stored_refs:  # in the hash, or staged for it
+                    self._stored.discard(name)
+                    self._stored_refs.discard(name)
+                    stored.append(name)
+                    txn.held[name] = None
+        if stored:
+            txn.pipe.hdel(self.keys.held(self.shard), *stored)
 
     def _unhold_group(self, txn: _Txn, epoch: int, group: int) -> None:
         names = list(self._held.get(epoch, {}).get(group, ()))
@@ -732,20 +779,27 @@ class Admission:
     def _rollouts(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str]) -> list[Rollout]:
         """The held rollouts of `keys` (`names`: their members), in order: decoded when they
         were admitted by this process (each result is decoded once), else (after a recovery)
-        decoded from their held payloads, those this transaction wrote, then Redis."""
+        read from their entries or decoded from their held payloads, those this transaction
+        wrote, then Redis."""
         out: list = list(map(self._decoded.get, names))
         missing = [i for i, rollout in enumerate(out) if rollout is None]
         if not missing:
             return out
-        staged = [i for i in missing if txn.held.get(names[i]) is not None]
-        rest = [i for i in missing if txn.held.get(names[i]) is None]
+        known = {i: self._known(txn, names[i]) for i in missing}
+        rest = [i for i in missing if known[i] is None]
         values = self.r.hmget(self.keys.held(self.shard), [names[i] for i in rest]) if rest else []
-        pairs = [*((i, txn.held[names[i]]) for i in staged), *zip(rest, values)]
+        pairs = [*((i, v) for i, v in known.items() if v is not None), *zip(rest, values)]
         for (i, _), payload in zip(pairs, self._held_payloads([v for _, v in pairs])):
             if payload is None:
                 raise RuntimeError(f"shard {self.shard}: the held result of admitted {keys[i]} is missing")
             out[i] = _rollout(payload)
         return out
+
+    def _known(self, txn: _Txn, name: str) -> bytes | None:
+        """What holds `name`'s result as known here: `REF` and the id of its entry, or the
+        payload this transaction stages; None: in `held:{shard}`."""
+        ref = self._refs.get(name)
+        return REF + ref if ref is not None else txn.held.get(name)
 
     def _held_payloads(self, values: Sequence[bytes | None]) -> list[bytes | None]:
         """The encoded results held values stand for: a reference is read from its entry
@@ -766,8 +820,8 @@ class Admission:
 
     def _held_from(self) -> str | None:
         """The lowest entry id of `results:{shard}` a held result refers to (None: none)."""
-        ids = [text(v[len(REF):]) for v in self.r.hvals(self.keys.held(self.shard)) if v.startswith(REF)]
-        return min(ids, key=parse_id, default=None)
+        lowest = min(self._refs.values(), key=parse_id, default=None)
+        return None if lowest is None else text(lowest)
 
     # ------------------------------------------------------------------ refusals
 

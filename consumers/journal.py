@@ -19,13 +19,20 @@ Journal entries are msgpack maps `{"t": kind, "n": now, ...}` in one field `e`; 
 transaction journals its events in ONE entry whose `e` is the array of their maps, in order
 (`encode_events`), so a batch of transitions costs one encode and one XADD. `load` reads
 both forms.
+
+The journal also says where the admitted results are: a Finish whose result the admission
+holds by reference carries `"h"`, the id of the result's entry of `results:{shard}`, and a
+snapshot is written with `held` (`Keys.state`), the map of every result then held by
+reference (`member` name -> entry id). `load` gives those references back, the snapshot's
+then the journal's; which of them are still held is the rebuilt machine's to say
+(`Scheduler.admitted_keys`). So holding a result costs no write of its own.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import msgpack
 import msgspec
@@ -44,6 +51,7 @@ from pipeline.scheduler import (
     SampleKey,
     Scheduler,
     Tick,
+    member,
 )
 from pipeline.sessions import Status, Task
 
@@ -51,6 +59,8 @@ log = logging.getLogger(__name__)
 
 FIELD = b"e"
 SNAPSHOT = b"snapshot"
+HELD = b"held"
+"""The field of `Keys.state` beside the snapshot: the results held by reference then."""
 CONFIG = STATE_CONFIG
 _PAGE = 1000
 
@@ -67,9 +77,19 @@ def encode_event(event: Event, now: float) -> bytes:
     return msgpack.packb({"n": float(now), **_fields(event)}, use_bin_type=True)
 
 
-def encode_events(events: list[tuple[Event, float]]) -> bytes:
-    """The journal bytes of several events applied in order (one entry for a transaction)."""
-    return _pack([_entry(event, now) for event, now in events])
+def encode_events(events: list[tuple[Event, float]], refs: Mapping[int, bytes] | None = None) -> bytes:
+    """The journal bytes of several events applied in order (one entry for a transaction);
+    `refs`: by the index of a Finish among them, the entry id of its result, held by
+    reference."""
+    entries = [_entry(event, now) for event, now in events]
+    for i, ref in (refs or {}).items():
+        entries[i]["h"] = ref
+    return _pack(entries)
+
+
+def encode_held(refs: Mapping[str, bytes]) -> bytes:
+    """The `HELD` bytes of the results held by reference (`member` name -> entry id)."""
+    return _pack(dict(refs))
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -97,8 +117,7 @@ def _entry(event: Event, now: float) -> dict:
 
 def decode_entry(data: bytes) -> list[tuple[Event, float]]:
     """The events and their `now` of one journal entry (one event, or a transaction's)."""
-    d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return [_event(x) for x in d] if isinstance(d, list) else [_event(d)]
+    return [_event(d) for d in _maps(data)]
 
 
 def _fields(event: Event) -> dict:
@@ -187,18 +206,31 @@ def events(r: redis.Redis, keys: Keys, shard: int) -> Iterator[tuple[Event, floa
         yield from decode_entry(fields[FIELD])
 
 
-def load(r: redis.Redis, keys: Keys, shard: int, config: SchedulerConfig) -> tuple[Scheduler, int]:
-    """The scheduler as the snapshot and journal leave it, and the journal's length."""
-    raw = r.hget(keys.state(shard), SNAPSHOT)
+def _maps(data: bytes) -> list[dict]:
+    d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    return d if isinstance(d, list) else [d]
+
+
+def load(r: redis.Redis, keys: Keys, shard: int,
+         config: SchedulerConfig) -> tuple[Scheduler, int, dict[str, bytes]]:
+    """The scheduler as the snapshot and journal leave it, the journal's length, and the
+    results held by reference that they name (`member` name -> entry id of
+    `results:{shard}`; some may have been released since: see the module docstring)."""
+    raw, held = r.hmget(keys.state(shard), [SNAPSHOT, HELD])
     if raw is None:
         sched = Scheduler(config, shard=shard)
     else:
         sched = Scheduler.restore(config, msgpack.unpackb(raw, raw=False, strict_map_key=False))
+    refs: dict[str, bytes] = {} if held is None else msgpack.unpackb(held, raw=False)
     replayed = 0
-    for event, now in events(r, keys, shard):
-        sched.handle(event, now)
-        replayed += 1
+    for _, fields in _entries(r, keys.journal(shard)):
+        for d in _maps(fields[FIELD]):
+            event, now = _event(d)
+            sched.handle(event, now)
+            replayed += 1
+            if "h" in d:
+                refs[member(event.key)] = d["h"]
     log.info("shard %d: restored %s and replayed %d journal entries (epoch %d, %d in flight)",
              shard, "a snapshot" if raw is not None else "no snapshot", replayed, sched.epoch,
              sched.in_flight)
-    return sched, replayed
+    return sched, replayed, refs

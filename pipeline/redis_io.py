@@ -34,6 +34,7 @@ import random
 import signal
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -323,18 +324,68 @@ def _packed(commands: Sequence[tuple]) -> list[bytes]:
 def exec_replies(conn: redis.connection.Connection, n: int) -> list | None:
     """The EXEC reply of a MULTI, `n` commands, EXEC just sent on `conn` (None: refused by
     a WATCH); a command refused while queued raises its error, as redis-py does."""
-    errors: list[redis.exceptions.ResponseError] = []
-    for _ in range(n + 1):  # MULTI's OK, then QUEUED for each command
-        try:
-            conn.read_response()
-        except redis.exceptions.ResponseError as exc:
-            errors.append(exc)
+    errors = _queued(conn, n + 1)  # MULTI's OK, then QUEUED for each command
     try:
         return conn.read_response()
     except redis.exceptions.ExecAbortError:
         if errors:
             raise errors[0] from None
         raise
+
+
+def _queued(conn: redis.connection.Connection, n: int) -> list[redis.exceptions.ResponseError]:
+    """Read the `n` replies of commands queued in a MULTI (MULTI's own included): `OK` or
+    `QUEUED` each, or the error of a command refused while queued (returned, in order).
+    Straight from the connection's hiredis reader where redis-py's parser has one
+    (`_hiredis_reader`): a transaction of 4,096 appends has as many of these replies, and
+    redis-py's reading costs about six times as much per reply. Any other reply is a protocol
+    error (InvalidResponse)."""
+    found = _hiredis_reader(conn)
+    if found is None:
+        replies = [_reply_or_error(conn) for _ in range(n)]
+        return [reply for reply in replies if isinstance(reply, redis.exceptions.ResponseError)]
+    parser, reader, more = found
+    push = getattr(parser, "_hiredis_PushNotificationType", None)
+    errors = []
+    try:
+        while n:
+            reply = reader.gets()
+            if reply is more:
+                parser.read_from_socket()
+                continue
+            if push is not None and isinstance(reply, push):  # RESP3: handled as redis-py does
+                parser.handle_push_response(reply)
+                continue
+            n -= 1
+            if isinstance(reply, redis.exceptions.ResponseError):
+                errors.append(reply)
+            elif isinstance(reply, Exception):  # the connection's
+                raise reply
+            elif reply not in _QUEUED:
+                raise redis.exceptions.InvalidResponse(f"{reply!r} in reply to a command queued in a MULTI")
+    except BaseException as exc:  # as `Connection.read_response` fails: disconnected, OSError a ConnectionError
+        conn.disconnect()
+        if isinstance(exc, socket.timeout):
+            raise redis.exceptions.TimeoutError("Timeout reading from socket") from exc
+        if isinstance(exc, OSError):
+            raise redis.exceptions.ConnectionError(f"Error while reading from socket: {exc.args}") from exc
+        raise
+    return errors
+
+
+_QUEUED = (b"QUEUED", b"OK", "QUEUED", "OK")
+
+
+def _hiredis_reader(conn: redis.connection.Connection) -> tuple[Any, Any, object] | None:
+    """`conn`'s parser, its hiredis reader and the value the reader returns until a whole
+    reply is in (redis-py's `_HiredisParser`); None where redis-py does not parse with hiredis
+    that way (the caller then reads through `read_response`)."""
+    parser = getattr(conn, "_parser", None)
+    reader = getattr(parser, "_reader", None)
+    more = getattr(sys.modules.get(type(parser).__module__), "NOT_ENOUGH_DATA", None)
+    if reader is None or more is None or not hasattr(parser, "read_from_socket"):
+        return None
+    return parser, reader, more
 
 
 def pool_connection(pool: redis.ConnectionPool) -> redis.connection.Connection:

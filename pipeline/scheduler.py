@@ -74,7 +74,8 @@ class SampleKey:
 
 
 def member(key: SampleKey) -> str:
-    """The name of one attempt in `held:{shard}` and `cancelled:{shard}`."""
+    """The name of one attempt (`held:{shard}`, the held references of the journal and the
+    snapshot, `cancelled:{shard}`)."""
     return f"{key.epoch}:{key.group}:{key.sample}:{key.attempt}"
 
 
@@ -869,6 +870,11 @@ class Scheduler:
 
     SNAPSHOT_VERSION = 2
     READS_SNAPSHOTS = (1, 2)  # version 1: before dropped groups were kept
+
+    def admitted_keys(self) -> list[SampleKey]:
+        """The attempts admitted into the groups the machine still tracks: the results a
+        consumer holds until their step is emitted (any other will never be)."""
+        return [self._key(g, g.samples[i]) for g in self._groups.values() for i in g.admitted]
 
     def live_groups(self) -> frozenset[int]:
         """Ids of the groups the machine still tracks (running, admitting or awaiting their

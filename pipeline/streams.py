@@ -145,6 +145,11 @@ def xadd_args(stream: str, fields: Mapping[bytes | str, Any]) -> tuple:
     return ("XADD", stream, "*", *chain.from_iterable(fields.items()))
 
 
+def xadd_field_args(stream: str, field: bytes | str, value: Any) -> tuple:
+    """`xadd_args(stream, {field: value})`, without the mapping (an entry of one field)."""
+    return ("XADD", stream, "*", field, value)
+
+
 def ack(r: Client, stream: str, group: str, *ids: bytes | str) -> Any:
     """XACK `ids` of `stream` in `group` (nothing sent when there are none)."""
     return r.xack(stream, group, *ids) if ids else 0

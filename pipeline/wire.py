@@ -977,13 +977,30 @@ def encode(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES, trusted: bool = 
     return data
 
 
+def work_bytes(shard: int, epoch: int, group: int, sample: int, attempt: int, task: Task,
+               submitted_version: int, deadline: float | None = None, cause: str | None = None, *,
+               max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+    """`encode(Work(...), trusted=True, max_bytes=max_bytes)`'s bytes, without making the
+    `Work` when its fields are of the usual shape (`_work_bytes`): the admission consumer's
+    submissions, one per attempt."""
+    data = _work_values_bytes(shard, epoch, group, sample, attempt, task, submitted_version, deadline, cause)
+    if data is not None and len(data) <= max_bytes:
+        return data
+    return encode(Work(shard, epoch, group, sample, attempt, task, submitted_version, deadline, cause),
+                  trusted=True, max_bytes=max_bytes)
+
+
 def _work_bytes(work: Work) -> bytes | None:
     """`encode(work, trusted=True)`'s bytes, built straight from the fields when they are of
     the usual shape: ints, a `Task` with a str id and a payload of plain values (`_plain`), a
     float or None deadline, a str or None cause. None for anything else, and for what cannot
     be packed: the general path then encodes it, or refuses it, as it always did."""
-    d = work.__dict__
-    shard, epoch, group, sample, attempt, task, version, deadline, cause = _WORK_GET(d)
+    return _work_values_bytes(*_WORK_GET(work.__dict__))
+
+
+def _work_values_bytes(shard: Any, epoch: Any, group: Any, sample: Any, attempt: Any, task: Any,
+                       version: Any, deadline: Any, cause: Any) -> bytes | None:
+    """`_work_bytes` of a Work's field values, in order."""
     if not (type(shard) is int and type(epoch) is int and type(group) is int and type(sample) is int
             and type(attempt) is int and type(version) is int and type(task) is Task
             and (deadline is None or type(deadline) is float) and (cause is None or type(cause) is str)):

@@ -174,7 +174,7 @@ def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, widt
                 if pending == 0 and not undelivered:
                     break
         admission_s, admission_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-        held = r.hlen(keys.held(0))
+        held = len(adm.held())
         stats = dict(adm.stats)
         adm.r.close()
 

@@ -113,18 +113,19 @@ def test_a_restarted_admission_rebuilds_exactly_the_state_it_had(threads, r, key
     threads.consumer(ScriptedSource(default={"duration_s": 0.002}), slots=4, block_ms=50, lease_s=5)
     trainer = Trainer(r, keys, tasks=3)
     trainer.run(4, timeout_s=20)
-    wait_until(lambda: r.hlen(keys.held(0)) == 6, 10, "batch 4's results to be held")
+    wait_until(lambda: first.held_count() == 6, 10, "batch 4's results to be held")
     threads.stop(first)
     assert r.hget(keys.state(0), b"snapshot") is not None  # the journal may be empty or not
     config = AdmissionConfig(redis=redis_config, block_ms=50, lease_s=5, scheduler=SCHEDULER)
     again = Admission(config, connect(redis_config), snapshot_every=5)
     assert again.sched.snapshot() == first.sched.snapshot()
+    assert again.held() == first.held() and again._refs == first._refs
     assert len(again.sched.live_groups()) == 3  # batch 4, complete, awaiting step 4
     threads._start(again, "admission")
     trainer.handover()
     ready = trainer.wait(timeout_s=20)
     assert sorted(t for _, _, t in ready.record.admitted) == ["t4.0", "t4.1", "t4.2"]
-    assert r.hlen(keys.held(0)) <= 6  # batch 4's payloads released, batch 5's held
+    assert again.held_count() <= 6  # batch 4's results released, batch 5's held
 
 
 @pytest.mark.timeout(60)

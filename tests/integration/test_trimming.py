@@ -44,7 +44,7 @@ def test_a_stream_without_groups_is_not_trimmed(r, keys):
 @pytest.mark.timeout(60)
 def test_stream_lengths_stay_bounded_over_a_long_run(threads, r, keys):
     steps, tasks, size = 40, 3, 3  # groups 2 + oversample 1: surplus attempts get cancelled
-    threads.admission(block_ms=20, lease_s=5, trim_every_s=0.05, control_retention_s=0.2,
+    adm = threads.admission(block_ms=20, lease_s=5, trim_every_s=0.05, control_retention_s=0.2,
                       snapshot_every=25, scheduler={"groups": 2, "oversample": 1, "rows": 8, "width": 64})
     source = ScriptedSource(rules=[{"sample": 2, "duration_s": 0.2}], default={"duration_s": 0.002})
     threads.consumer(source, slots=12, block_ms=20, lease_s=5, grace_s=1)
@@ -59,7 +59,8 @@ def test_stream_lengths_stay_bounded_over_a_long_run(threads, r, keys):
         time.sleep(0.03)  # training: keeps the run longer than the control retention
         for stream in streams:
             longest[stream] = max(longest[stream], r.xlen(stream))
-        longest["held"] = max(longest.get("held", 0), r.hlen(keys.held(0)))
+        longest["held"] = max(longest.get("held", 0), adm.held_count())
+        assert not r.exists(keys.held(0))  # held by reference: nothing written to hold them
         longest["cancelled"] = max(longest.get("cancelled", 0), r.zcard(keys.cancelled(0)))
     per_step = tasks * size
     assert longest[keys.work] <= 8 * per_step, longest
@@ -79,7 +80,7 @@ def test_results_held_by_reference_are_kept_by_trimming_until_their_step_is_emit
     """An admitted result is held as a reference to its entry of the results stream: that
     entry, acknowledged, stays through trimming until its step is emitted, and a rebuilt
     admission packs it from there."""
-    from consumers.admission import REF, Admission
+    from consumers.admission import Admission
     from pipeline import wire
     from pipeline.config import AdmissionConfig, build
     from pipeline.ready import expand
@@ -104,12 +105,14 @@ def test_results_held_by_reference_are_kept_by_trimming_until_their_step_is_emit
             ids.append(r.xadd(keys.results(0), wire.to_fields(result)))
     while adm.poll_once(1):
         pass
-    held = r.hgetall(keys.held(0))
-    assert sorted(held.values()) == sorted(REF + i for i in ids)  # references, not payloads
+    refs = dict(adm._refs)
+    assert set(refs) == adm.held() and sorted(refs.values()) == sorted(ids)  # references, not payloads
+    assert not r.exists(keys.held(0))  # nothing written to hold them: the journal names them
     assert r.xpending(keys.results(0), adm.group)["pending"] == 0  # acknowledged
     adm.trim()
     assert [i for i, _ in r.xrange(keys.results(0))] == ids  # kept: still held
     adm._rebuild()  # as after a restart: nothing decoded in memory
+    assert adm._refs == refs  # the journal named them
     r.xadd(keys.tasks(0), wire.to_fields(wire.Handover(0, 0, 0, 0, None)))
     while adm.poll_once(1):
         pass
@@ -117,6 +120,6 @@ def test_results_held_by_reference_are_kept_by_trimming_until_their_step_is_emit
     assert ready.error is None and sorted(ready.record.packed) == [0, 1]
     tokens = expand(ready.arrays)["tokens"]
     assert sorted(tokens[tokens > 0].tolist()) == sorted([1, 2, 3, 4] * 4 + [1, 2, 3, 5] * 4)
-    assert r.hlen(keys.held(0)) == 0
+    assert not adm.held()
     adm.trim()
     assert r.xlen(keys.results(0)) == 0  # emitted: nothing holds them any more

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from consumers.journal import _entry, decode_entry, encode_events, encode_snapshot
 from pipeline.config import SchedulerConfig, build
-from pipeline.scheduler import Finish, Handover, Open, Register, SampleKey, Scheduler
+from pipeline.scheduler import Finish, Handover, Open, Register, SampleKey, Scheduler, Tick
 from pipeline.sessions import Status, Task
 from tests.unit.test_journal import EVENTS
 
@@ -54,3 +54,26 @@ def test_a_snapshot_is_packed_as_msgpack_packs_it():
         sched.handle(event, 10.0)
     assert sched.in_flight > 0
     assert encode_snapshot(sched) == msgpack.packb(sched.snapshot(), use_bin_type=True)
+
+
+def test_a_finish_s_held_reference_rides_in_its_entry_and_replays_by_name():
+    """A Finish whose result is held by reference carries its entry id (`h`) in the same
+    map; the events decode as before (the id is not the event's), and `load` names it."""
+    import fakeredis
+
+    from consumers.journal import FIELD, HELD, encode_held, load
+    from pipeline.keys import Keys
+    from pipeline.scheduler import member
+
+    key = SampleKey(0, 3, 1, 0)
+    events = [(Finish(key, Status.COMPLETED, 1.0, 0, None), 5.0), (Tick(), 6.0)]
+    data = encode_events(events, {0: b"1700000000000-7"})
+    assert msgpack.unpackb(data, raw=False) == [{**_entry(*events[0]), "h": b"1700000000000-7"}, _entry(*events[1])]
+    assert decode_entry(data) == events
+    r, keys = fakeredis.FakeRedis(), Keys("journal-refs")
+    config = build(SchedulerConfig, {})
+    r.hset(keys.state(0), HELD, encode_held({"0:1:0:0": b"1700000000000-2"}))
+    r.xadd(keys.journal(0), {FIELD: encode_events([(Open(0), 4.0)])})
+    r.xadd(keys.journal(0), {FIELD: data})
+    _, replayed, refs = load(r, keys, 0, config)
+    assert replayed == 3 and refs == {"0:1:0:0": b"1700000000000-2", member(key): b"1700000000000-7"}

@@ -1,5 +1,5 @@
-"""`wire.encode(work, trusted=True)` (the admission's submissions) gives, for every `Work`,
-exactly what the general path (`_wire`, then msgpack) gives: the same bytes, or the same
+"""`wire.encode(work, trusted=True)`, and `wire.work_bytes` of its values (the admission's
+submissions), give, for every `Work`, exactly what the general path (`_wire`, then msgpack) gives: the same bytes, or the same
 refusal (exception type and message), whatever the fields hold: listed odd values and
 generated ones, every optional field set or not."""
 
@@ -50,10 +50,19 @@ def _general(work: wire.Work, **kw: Any) -> tuple:
         wire._work_bytes = direct
 
 
+def _from_values(work: wire.Work, **kw: Any) -> tuple:
+    """`wire.work_bytes` of the work's field values: the admission's path, without a Work."""
+    try:
+        return ("bytes", wire.work_bytes(*(getattr(work, name) for name in wire.Work.SPEC), **kw))
+    except Exception as exc:  # noqa: BLE001 (compared, type and message)
+        return ("raised", type(exc), str(exc))
+
+
 def _same(work: wire.Work, **kw: Any) -> tuple:
     general = _general(work, **kw)
     assert _outcome(work, **kw) == general
     assert _outcome(work, **kw) == general  # and again, nothing kept between calls
+    assert _from_values(work, **kw) == general
     return general
 
 

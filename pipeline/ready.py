@@ -32,6 +32,7 @@ off the completion tokens log-probs are 0, versions -1 and support -1, as in a `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import msgspec
@@ -79,7 +80,7 @@ def decode_record(value: object) -> ReadyRecord:
     except msgspec.ValidationError as exc:
         raise ValueError(str(exc)) from None
     for name, v in (("waited", record.waited), *((f"metrics.{k}", x) for k, x in record.metrics.items())):
-        if not np.isfinite(v):
+        if not math.isfinite(v):
             raise ValueError(f"must be finite, got {v} - at `$.{name}`")
     return record
 

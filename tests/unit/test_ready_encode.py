@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pipeline import wire
+from pipeline.ready import ReadyRecord
 
 ARRAYS = {
     "plain": np.arange(6, dtype=np.int32),
@@ -43,3 +44,12 @@ def test_an_array_decoding_would_refuse_is_refused_at_encoding_by_name(name, bad
     with pytest.raises(wire.SchemaError, match=reason) as err:
         wire.encode(wire.Ready(0, 1, 2, 3, {"tokens": np.arange(3, dtype=np.int32), name: bad}))
     assert err.value.field.startswith(f"arrays.{name}")
+
+
+def test_a_ready_is_packed_as_msgpack_packs_its_wire_form():
+    record = ReadyRecord(updates=3, version=2, lag=1, groups=1, resubmitted={"stale": 2}, cancelled=0,
+                         abandoned=0, cut=0, waited=0.25, metrics={"reward_mean": 0.5, "latency_s_p50": 1e-300},
+                         backups=1, refused=1, surplus=2, overlong=3, admitted=((1, 0, "t\u00e9"),), packed=(1,),
+                         refused_groups=((4, "too long"),), dropped=((5, 0, "u", "abandoned"),))
+    for ready in (wire.Ready(0, 1, 2, 3, dict(ARRAYS), record), wire.Ready(7, 2**40, 0, 2**63 - 1, {}, None, "boom")):
+        assert wire.encode(ready) == msgpack.packb(wire._wire(ready), use_bin_type=True)

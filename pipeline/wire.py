@@ -205,14 +205,30 @@ def _shaped(v: Any, path: str, dtype: np.dtype, shape: Any = None, copy: bool = 
         shape = (len(v) // dtype.itemsize,)
     elif len(v) != math.prod(shape) * dtype.itemsize:
         raise SchemaError(path, f"{len(v)} bytes for shape {list(shape)} of {dtype.str}")
-    elif math.prod(d for d in shape if d) * dtype.itemsize > MAX_MESSAGE_BYTES:  # an empty array's other sides
+    elif _too_large(shape, dtype.itemsize):
         raise SchemaError(path, f"shape {list(shape)} of {dtype.str} is too large")
     arr = np.frombuffer(v, dtype).reshape(shape)
     return arr.copy() if copy else arr
 
 
+def _too_large(shape: Any, itemsize: int) -> bool:
+    """Whether an array of `shape` is over the message limit (an empty array's other sides too)."""
+    return math.prod(d for d in shape if d) * itemsize > MAX_MESSAGE_BYTES
+
+
 _MIN = np.minimum.reduce  # an array's min, without `ndarray.min`'s Python layer
 _MAX = np.maximum.reduce
+
+
+def _bad_values(arr: np.ndarray) -> str | None:
+    """Why a step's array may not hold its values (booleans other than 0 or 1, floats not
+    finite), or None."""
+    kind = arr.dtype.kind
+    if kind == "b" and arr.size and _MAX(arr.view(np.uint8), None) > 1:
+        return "booleans must be bytes 0 or 1"
+    if kind == "f" and not np.isfinite(arr).all():
+        return "must be finite"
+    return None
 
 
 def _ids(ids: np.ndarray, path: str, low: int = 0) -> np.ndarray:
@@ -484,10 +500,9 @@ def _array(v: Any, path: str, dtype: np.dtype | None = None, copy: bool = True) 
     if len(shape) > _MAX_NDIM:
         raise SchemaError(f"{path}.shape", f"more than {_MAX_NDIM} dimensions")
     arr = _shaped(d["data"], f"{path}.data", dtype, shape, copy)
-    if dtype.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
-        raise SchemaError(f"{path}.data", "booleans must be bytes 0 or 1")
-    if dtype.kind == "f" and not np.isfinite(arr).all():
-        raise SchemaError(f"{path}.data", "must be finite")
+    bad = _bad_values(arr)
+    if bad is not None:
+        raise SchemaError(f"{path}.data", bad)
     return arr
 
 
@@ -740,16 +755,9 @@ def _arrays_fine(arrays: Any) -> bool:
     A sufficient test: False leaves the arrays to that check, which says what it refuses."""
     if type(arrays) is not dict:
         return False
-    for name, v in arrays.items():
-        if type(name) is not str or type(v) is not np.ndarray or v.dtype not in _FINE_DTYPES \
-                or v.ndim > _MAX_NDIM or math.prod(d for d in v.shape if d) * v.itemsize > MAX_MESSAGE_BYTES:
-            return False
-        kind = v.dtype.kind
-        if kind == "b" and v.size and _MAX(v.view(np.uint8), None) > 1:
-            return False
-        if kind == "f" and not np.isfinite(v).all():
-            return False
-    return True
+    return all(type(name) is str and type(v) is np.ndarray and v.dtype in _FINE_DTYPES
+               and v.ndim <= _MAX_NDIM and not _too_large(v.shape, v.itemsize) and _bad_values(v) is None
+               for name, v in arrays.items())
 
 
 @_message("ready", **_SHARD, step=_int, updates=_int, arrays=_step_arrays, record=_opt(_ready_record),

@@ -319,14 +319,29 @@ class _Rows:
 
     def place(self, length: int) -> tuple[int, int, int] | None:
         """Best fit: the row with the least room >= length. Returns (row, offset, segment)."""
-        i = bisect_left(self.keys, length * self.n)
-        if i == len(self.keys):
-            return None
-        row = self.keys.pop(i) % self.n
-        offset = self.width - self.free[row]
-        self._move(row, -length)
-        self.count[row] += 1
-        return row, offset, self.count[row]
+        placed = self.place_all([(length, 0, 0, None)], 0)  # type: ignore[list-item]
+        return None if placed is None else placed[0][:3]
+
+    def place_all(self, items: list[_Item], first_rollout: int) -> list[_Placement] | None:
+        """`place` of each non-empty chain of `items` (`_chain_items`), in order, as the
+        placements of the rollouts from `first_rollout` on; None (rows untouched) if any fails."""
+        keys, free, count, n, width = self.keys, self.free, self.count, self.n, self.width
+        placed: list[_Placement] = []
+        for length, ri, ci, c in items:
+            if not length:
+                break
+            i = bisect_left(keys, length * n)
+            if i == len(keys):
+                for p in reversed(placed):
+                    self.unplace(p[0], p[5])
+                return None
+            row = keys.pop(i) % n
+            room = free[row] - length
+            free[row] = room
+            insort(keys, room * n + row)
+            count[row] += 1
+            placed.append((row, width - room - length, count[row], first_rollout + ri, ci, length, c))
+        return placed
 
     def unplace(self, row: int, length: int) -> None:
         """Undo the last placement in `row`, of `length` tokens."""
@@ -342,26 +357,9 @@ class _Rows:
 def _chain_items(group: Group) -> list[_Item]:
     """The group's chains as (length, rollout index in the group, chain index, chain),
     longest first (equal lengths in rollout then chain order)."""
-    items = [(len(c), ri, ci, c) for ri, r in enumerate(group.rollouts) for ci, c in enumerate(r.chains)]
+    items = [(len(c.tokens), ri, ci, c) for ri, r in enumerate(group.rollouts) for ci, c in enumerate(r.chains)]
     items.sort(key=itemgetter(0), reverse=True)  # stable: equal lengths keep their order
     return items
-
-
-def _place_group(rows: _Rows, items: list[_Item], first_rollout: int) -> list[_Placement] | None:
-    """Place a group's non-empty chains (`_chain_items`), longest first; None (rows
-    untouched) if any fails. `first_rollout` is the rollout index of the group's first rollout."""
-    placed: list[_Placement] = []
-    place = rows.place
-    for length, ri, ci, c in items:
-        if not length:
-            break
-        spot = place(length)
-        if spot is None:
-            for p in reversed(placed):
-                rows.unplace(p[0], p[5])
-            return None
-        placed.append((*spot, first_rollout + ri, ci, length, c))
-    return placed
 
 
 def _refusal(group: Group, width: int, support_capacity: int | None) -> str | None:
@@ -429,9 +427,9 @@ def pack(
                 refused.append(Refusal(group.group, reason))
                 continue
         used = _training_rewards(group, truncation)
-        placed = _place_group(free, items, n_rollouts)
+        placed = free.place_all(items, n_rollouts)
         if placed is None:
-            if _place_group(_Rows(rows, width), items, 0) is None:
+            if _Rows(rows, width).place_all(items, 0) is None:
                 refused.append(
                     Refusal(
                         group.group, f"group of {group.tokens} tokens does not fit {rows} rows of {width}"

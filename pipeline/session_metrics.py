@@ -24,6 +24,7 @@ value is undefined, such as a latency without timings, is omitted):
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -51,8 +52,8 @@ def _component_key(name: str) -> str:
 
 def _merge_ratio(rollouts: Sequence[Rollout]) -> float:
     chains = [c for r in rollouts for c in r.chains]
-    call_tokens = sum(c.call_tokens for c in chains)
-    return 1.0 - sum(len(c) for c in chains) / call_tokens if call_tokens else 0.0
+    call_tokens = sum([c.call_tokens for c in chains])
+    return 1.0 - sum([len(c.tokens) for c in chains]) / call_tokens if call_tokens else 0.0
 
 
 def _masking(groups: Sequence[Group], rollouts: Sequence[Rollout], packed: PackedBatch) -> dict[str, float]:
@@ -90,12 +91,12 @@ def _rewards(rollouts: Sequence[Rollout]) -> dict[str, float]:
     out: dict[str, float] = {}
     rewards = [r.reward for r in rollouts if r.reward is not None]
     if rewards:
-        out["reward_mean"] = float(np.mean(rewards))
+        out["reward_mean"] = math.fsum(rewards) / len(rewards)
     components: dict[str, list[float]] = defaultdict(list)
     for r in rollouts:
         for name, value in r.components.items():
             components[_component_key(name)].append(float(value))
-    out.update({key: float(np.mean(values)) for key, values in sorted(components.items())})
+    out.update({key: math.fsum(values) / len(values) for key, values in sorted(components.items())})
     return out
 
 
@@ -140,8 +141,9 @@ def session_metrics(admitted: Sequence[Group], packed: PackedBatch, *, updates: 
     rollouts = [r for g in groups for r in g.rollouts]
     out: dict[str, float] = {"rollouts": float(len(rollouts)), "merge_ratio": _merge_ratio(rollouts)}
     if rollouts:
+        statuses = [r.status for r in rollouts]
         for status in _STATUSES:
-            out[f"share_{status.value}"] = sum(r.status is status for r in rollouts) / len(rollouts)
+            out[f"share_{status.value}"] = statuses.count(status) / len(rollouts)
     out.update(_masking(groups, rollouts, packed))
     out.update(_rewards(rollouts))
     out.update(_latency(rollouts))

@@ -7,12 +7,9 @@ Open, the Registrations of N / 8 tasks (stream admission, every sample in flight
 so every result names a running attempt) and the handover of step 0. Then an in-process
 `Admission` runs over them (`poll_once` in a loop: reading, the scheduler, held payloads,
 journal, packing, Ready and Record appends, acknowledgements); a trainer stub in the same
-loop hands the next step over as each Ready appears (after each poll: the ready stream's
-length, then, when steps were added, their handovers in one round trip). The trainer reads
-its steps in another process, so the stub does not read them in the loop: the `Ready`
-entries are read (for `ready_over_results`) after the timing, as the floor's sink is never
-read. The time until every result is consumed and every step emitted gives rollouts per
-second.
+loop hands the next step over as each Ready appears (after each poll: one read of the new
+`Ready` entries, then their handovers and deletions in one round trip). The time until every result is
+consumed and every step emitted gives rollouts per second.
 
 The floor is the raw Python loop over the same entries on the same Redis, with no logic:
 XREADGROUP (256 at a time), msgpack decode of each entry, XACK of the batch and XADD of the
@@ -21,7 +18,7 @@ same bytes to another stream (pipelined). Reported: both rates and their ratio,
 pack: every result here is packed), and the
 ratio of the two loops' client CPU seconds (`cpu_ratio`: steadier than wall time on a
 shared machine; Redis's own CPU is not counted). The admission's loop includes the trainer
-stub (an XLEN of the ready stream after each poll, a handover for each step); `own_per_s`,
+stub (an XREAD of the ready stream after each poll, a handover for each step); `own_per_s`,
 `own_ratio` and `own_cpu_ratio` count only the time inside `Admission.poll_once`, the
 admission's own cost (as `bench consumer` reports its consumer without the source). Both loops run in this process after
 `consumers.admission.keep_freed_memory()` and `pipeline.collector.collect_less()`, as the
@@ -152,23 +149,23 @@ def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, widt
         del payloads
 
         adm = Admission(config, connect(redis_config))
-        ready, emitted = keys.ready(0), 0
+        ready, last, emitted, ready_bytes = keys.ready(0), "0", 0, 0
         own_s = own_cpu_s = 0.0  # inside `poll_once`: the admission's own, without the trainer stub
         t0, c0 = time.perf_counter(), time.process_time()
         while True:
             p0, q0 = time.perf_counter(), time.process_time()
             adm.poll_once(1)
             own_s, own_cpu_s = own_s + time.perf_counter() - p0, own_cpu_s + time.process_time() - q0
-            # the trainer reads its steps in another process: the stub counts them (XLEN) and
-            # calls for the next ones, one round trip when there are some; the steps are read
-            # after the timing, as the floor's sink is never read
-            n = r.xlen(ready)
-            if n > emitted:
-                calls = r.pipeline(transaction=False)
-                for step in range(emitted + 1, min(n, steps - 1) + 1):
-                    calls.xadd(tasks, wire.to_fields(wire.Handover(0, 0, step, 0, None)))
-                emitted = n
-                calls.execute()
+            reply = r.xread({ready: last}, count=100)
+            calls = r.pipeline(transaction=False)  # the stub's replies, one round trip a poll
+            for _, items in reply or []:
+                for entry_id, fields in items:
+                    last, emitted = entry_id, emitted + 1
+                    ready_bytes += len(fields[wire.FIELD])
+                    if emitted < steps:  # the trainer calls for the next step
+                        calls.xadd(tasks, wire.to_fields(wire.Handover(0, 0, emitted, 0, None)))
+                    calls.xdel(ready, entry_id)
+            calls.execute()
             if emitted >= steps:
                 pending = r.xpending(keys.results(0), adm.group)["pending"]
                 lag = r.xinfo_groups(keys.results(0))
@@ -177,7 +174,6 @@ def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, widt
                 if pending == 0 and not undelivered:
                     break
         admission_s, admission_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-        ready_bytes = sum(len(fields[wire.FIELD]) for _, fields in r.xrange(ready))
         held = len(adm.held())
         stats = dict(adm.stats)
         adm.r.close()

@@ -52,6 +52,8 @@ def test_bench_admission_against_the_floor(redis_config):
                               width=1024)
     assert out["admission"]["steps_emitted"] == 128 // 8 // 4
     assert out["admission"]["held_after"] == 0
+    # every step's Ready counted, each smaller than the results it packs
+    assert 0.2 < out["ready_over_results"] <= 1.5
     assert out["admission"]["rollouts_per_s"] > 0 and out["floor"]["rollouts_per_s"] > 0
     assert out["ratio"] == pytest.approx(
         out["admission"]["rollouts_per_s"] / out["floor"]["rollouts_per_s"], rel=0.01)

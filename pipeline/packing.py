@@ -319,28 +319,32 @@ class _Rows:
 
     def place(self, length: int) -> tuple[int, int, int] | None:
         """Best fit: the row with the least room >= length. Returns (row, offset, segment)."""
-        placed = self.place_all([(length, 0, 0, None)], 0)  # type: ignore[list-item]
-        return None if placed is None else placed[0][:3]
+        keys, n = self.keys, self.n
+        i = bisect_left(keys, length * n)
+        if i == len(keys):
+            return None
+        row = keys.pop(i) % n
+        room = self.free[row] - length
+        self.free[row] = room
+        insort(keys, room * n + row)
+        self.count[row] += 1
+        return row, self.width - room - length, self.count[row]
 
     def place_all(self, items: list[_Item], first_rollout: int) -> list[_Placement] | None:
         """`place` of each non-empty chain of `items` (`_chain_items`), in order, as the
         placements of the rollouts from `first_rollout` on; None (rows untouched) if any fails."""
-        keys, free, count, n, width = self.keys, self.free, self.count, self.n, self.width
         placed: list[_Placement] = []
+        place = self.place
         for length, ri, ci, c in items:
             if not length:
                 break
-            i = bisect_left(keys, length * n)
-            if i == len(keys):
+            spot = place(length)
+            if spot is None:
                 for p in reversed(placed):
                     self.unplace(p[0], p[5])
                 return None
-            row = keys.pop(i) % n
-            room = free[row] - length
-            free[row] = room
-            insort(keys, room * n + row)
-            count[row] += 1
-            placed.append((row, width - room - length, count[row], first_rollout + ri, ci, length, c))
+            row, offset, segment = spot
+            placed.append((row, offset, segment, first_rollout + ri, ci, length, c))
         return placed
 
     def unplace(self, row: int, length: int) -> None:

@@ -263,6 +263,9 @@ class Admission:
         self._unapplied = 0  # entries of the batch being applied not applied yet (`_transitions`)
         self._next_trim = time.monotonic() + config.trim_every_s
         self.outage = Outage(f"admission shard {self.shard}", config.redis.reconnect_s)
+        # the read of new entries written ahead (`_read_new`), and its reply once read early
+        self._ahead: streams.ReadAhead | None = None
+        self._received: tuple[list[_Read], tuple[int, int] | None] | None = None
         check(self.r, config.redis)
         # one consumer per shard: every transaction commits under this one's fencing token
         self.fence = fence or Fence(self.r, self.keys, self.shard, config.shard_lease_s)
@@ -328,6 +331,7 @@ class Admission:
         self._rebuild()
         self._backlog = True  # read this consumer's own pending inputs first
         self._deferred: list[_Read] = []  # read, pending, not yet applied
+        self._drop_ahead()  # its entries are in the backlog
         self._finish_reclaimed(self._own_work())
 
     def _reconnect(self) -> None:
@@ -389,11 +393,38 @@ class Admission:
                 return [entry for _, entry in _up_to(read, cutoff)[0]]
             self._backlog = False
         block = None if self._deferred else (block_ms or None)
-        read, cutoff = self._xread(self._new, block)
+        read, cutoff = self._read_new(block)
         if self._deferred:
             read = sorted(self._deferred + read, key=_ID)
         now, self._deferred = _up_to(read, cutoff)
         return [entry for _, entry in now]
+
+    def _read_new(self, block_ms: int | None) -> tuple[list[_Read], tuple[int, int] | None]:
+        """`_xread` of new entries: those of the read written ahead when there is one (when it
+        found none, a read that may block follows), and, when this read was cut at
+        `read_count` (a backlog: more entries wait already), the next one written ahead
+        (`streams.ReadAhead`), which Redis runs while this batch is applied. Behind a backlog,
+        an entry appended during a batch is read with the batch after the next one."""
+        self._receive_ahead()
+        got, self._received = self._received, None
+        if got is None or not got[0]:
+            got = self._xread(self._new, block_ms)
+        if got[1] is not None:
+            self._ahead = streams.ReadAhead(self.r, self.group, self.name, self._new, count=self.read_count)
+        return got
+
+    def _receive_ahead(self) -> None:
+        """The reply of the read written ahead, if one is pending, read into `_received`."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            self._received = self._ordered(ahead.receive())
+
+    def _drop_ahead(self) -> None:
+        """Forget the read written ahead, received or not: what it delivered is pending in
+        the group, and a backlog read (`0`) returns it."""
+        ahead, self._ahead, self._received = self._ahead, None, None
+        if ahead is not None:
+            ahead.drop()
 
     def _taken_back(self, unapplied: int = 0) -> bool:
         """Read again, from the backlog, entries of this consumer's name that it neither
@@ -410,20 +441,27 @@ class Admission:
                     "the shard; reading them again", self.shard, taken)
         self.stats["taken_back"] += taken
         self._deferred, self._backlog = [], True  # the backlog read returns the deferred too
+        self._drop_ahead()  # received by `_taken`: the backlog returns it too
         return True
 
     def _taken(self, unapplied: int) -> int:
         """Input entries pending under this consumer's name that it neither applied nor holds
-        back: read by a predecessor that lost the shard (`_taken_back`)."""
+        back: read by a predecessor that lost the shard (`_taken_back`). The read written
+        ahead is received first: its entries are this consumer's own."""
+        self._receive_ahead()
+        received = len(self._received[0]) if self._received is not None else 0
         return streams.pending_of(self.r, list(self._expect), self.group, self.name) \
-            - len(self._deferred) - unapplied
+            - len(self._deferred) - unapplied - received
 
     def _xread(self, names: dict[str, str],
                block_ms: int | None) -> tuple[list[_Read], tuple[int, int] | None]:
         """The entries read with their ids parsed (`_Read`), sorted by id, and the lowest
         last id of a stream whose read was cut at `read_count` (None if none was)."""
-        entries = streams.read_group(self.r, self.group, self.name, names, count=self.read_count,
-                                     block_ms=block_ms)
+        return self._ordered(streams.read_group(self.r, self.group, self.name, names, count=self.read_count,
+                                               block_ms=block_ms))
+
+    def _ordered(self, entries: list[streams.Entry]) -> tuple[list[_Read], tuple[int, int] | None]:
+        """`_xread`'s value of the entries of one read."""
         read = [(parse_id(e.id), e) for e in entries]
         per_stream = Counter(e.stream for e in entries)
         cut = [max(key for key, e in read if e.stream == name)

@@ -26,7 +26,18 @@ from typing import Any, NamedTuple
 import redis
 
 from pipeline import wire
-from pipeline.redis_io import FATAL, RETRYABLE, Outage, next_id, parse_id, raw_replies, text, transaction_then
+from pipeline.redis_io import (
+    FATAL,
+    RETRYABLE,
+    Outage,
+    next_id,
+    parse_id,
+    pool_connection,
+    raw_replies,
+    send_commands,
+    text,
+    transaction_then,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +78,50 @@ def read_group(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, 
     hiredis's lists, no redis-py callbacks)."""
     [taken] = raw_replies(r, [_read_group_args(group, consumer, streams, count, block_ms)])
     return _raw_entries(taken)
+
+
+class ReadAhead:
+    """A group read written now, its reply read later: Redis runs it as it arrives and keeps
+    its reply while the reader works on what it read before, so a batch's read costs the
+    reader only the reply's transfer, not the wait for it. It runs without a block, on a
+    connection of `r`'s pool taken out of the pool until the reply is read (`receive`) or
+    the read given up (`drop`). What it delivers is pending in the group from the moment Redis
+    runs it, like any read's: a reader that stops before reading the reply finds those
+    entries in its backlog (`0`), and one that counts its pending entries receives the reply
+    first (its entries are this reader's, not another's)."""
+
+    def __init__(self, r: redis.Redis, group: str, consumer: str, streams: Mapping[str, str], *,
+                 count: int | None = None) -> None:
+        self._pool = r.connection_pool
+        self._conn: redis.connection.Connection | None = pool_connection(self._pool)
+        try:
+            send_commands(self._conn, [_read_group_args(group, consumer, streams, count, None)])
+        except BaseException:
+            self.drop()
+            raise
+
+    def receive(self) -> list[Entry]:
+        """The read's entries, as `read_group` returns them (once; a lost connection raises
+        redis-py's error and is closed)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("this read's reply was already received or given up")
+        try:
+            reply = conn.read_response()
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
+        return _raw_entries(reply)
+
+    def drop(self) -> None:
+        """Give the read up unread: its connection is closed (the reply dropped with it) and
+        handed back. What it delivered stays pending in the group."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.disconnect()
+            self._pool.release(conn)
 
 
 def read_group_and_follow(r: redis.Redis, group: str, consumer: str, streams: Mapping[str, str],

@@ -46,7 +46,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import msgspec
 
@@ -63,9 +63,9 @@ class ProtocolError(RuntimeError):
     """An event that the protocol does not allow in the scheduler's current state."""
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class SampleKey:
-    """One attempt of one sample: the identity of a work entry and of its result."""
+class SampleKey(NamedTuple):
+    """One attempt of one sample: the identity of a work entry and of its result (a named
+    tuple: made, hashed and compared in C, several times per result)."""
 
     epoch: int
     group: int

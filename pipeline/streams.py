@@ -162,8 +162,18 @@ def _raw_entries(reply: Any) -> list[Entry]:
     RESP2's list of [stream, entries] pairs) each stream's [[id, [field, value, ...] or nil],
     ...]."""
     by_stream = reply.items() if isinstance(reply, dict) else reply or []
-    return [Entry(text(stream), entry_id, dict(zip(flat[::2], flat[1::2])) if flat is not None else None)
-            for stream, entries in by_stream for entry_id, flat in entries]
+    return [Entry(name, entry_id, _fields(flat))
+            for stream, entries in by_stream for name in (text(stream),) for entry_id, flat in entries]
+
+
+def _fields(flat: list | None) -> Fields | None:
+    """An entry's fields from its flat [field, value, ...] (None: deleted while pending); one
+    field, as every message has, without slicing."""
+    if flat is None:
+        return None
+    if len(flat) == 2:
+        return {flat[0]: flat[1]}
+    return dict(zip(flat[::2], flat[1::2]))
 
 
 def read(r: redis.Redis, streams: Mapping[str, str], *, block_ms: int | None = None) -> list[Entry]:

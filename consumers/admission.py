@@ -191,6 +191,12 @@ class _Txn:
     def __init__(self) -> None:
         self.pipe = _Commands()
         self.observe: list[Callable[[Metrics], None]] = []  # metrics, applied once committed
+        # and the per-entry ones, counted together then (`Admission._observe`): the events'
+        # kinds, their actions, the results' statuses and sessions' durations
+        self.kinds: list[type] = []
+        self.actions: list[Action] = []
+        self.statuses: list[Status] = []
+        self.durations: list[float | None] = []
         self.held: dict[str, bytes | None] = {}
         self.refs: dict[int, bytes] = {}  # by the index of its Finish in `journal`
         self.acks: dict[tuple[str, str], list[bytes]] = defaultdict(list)
@@ -534,8 +540,8 @@ class Admission:
                 held = ((entry_id, None) if payload is fields[wire.FIELD] else (None, payload), msg.rollout())
             self._apply(txn, event, held)
         if isinstance(msg, wire.Result):
-            duration = _duration(msg.timings)
-            txn.observe.append(lambda m: m.observe_finished(self.shard, msg.status, duration))
+            txn.statuses.append(msg.status)
+            txn.durations.append(_duration(msg.timings))
         txn.ack(stream, self.group, entry_id)
 
     def _event(self, msg: wire.Message) -> Event | str:
@@ -611,8 +617,8 @@ class Admission:
             self._hold(txn, event.key, ref, data, rollout)
         for action in actions:
             self._carry_out(txn, action, now)
-        txn.observe.append(lambda m: (m.observe_event(self.shard, event),
-                                      m.observe_actions(self.shard, actions)))
+        txn.kinds.append(type(event))
+        txn.actions += actions
         if isinstance(event, Publish):
             txn.observe.append(lambda m: m.served_version.set(self.sched.served))
         return actions
@@ -628,7 +634,7 @@ class Admission:
         txn.journal.append((Tick(), now))
         for action in actions:
             self._carry_out(txn, action, now)
-        txn.observe.append(lambda m: m.observe_actions(self.shard, actions))
+        txn.actions += actions
         return self._commit(txn)
 
     def _commit(self, txn: _Txn, renew: bool = False) -> int:
@@ -657,10 +663,18 @@ class Admission:
         if snapshot:
             self._snapshot_after = self._snapshot_interval()
         if self.metrics is not None:
-            for observe in txn.observe:
-                observe(self.metrics)
-            self.metrics.set_in_flight(self.shard, self.sched.in_flight)
+            self._observe(self.metrics, txn)
         return txn.transitions
+
+    def _observe(self, m: Metrics, txn: _Txn) -> None:
+        """The metrics of a committed transaction: its entries' counted together, then the
+        rest in order."""
+        m.observe_events(self.shard, txn.kinds)
+        m.observe_actions(self.shard, txn.actions)
+        m.observe_finished_many(self.shard, txn.statuses, txn.durations)
+        for observe in txn.observe:
+            observe(m)
+        m.set_in_flight(self.shard, self.sched.in_flight)
 
     def _snapshot_interval(self) -> int:
         """Transitions until the next snapshot, fixed at each snapshot and at a rebuild:

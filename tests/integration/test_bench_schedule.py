@@ -57,6 +57,15 @@ def test_bench_admission_against_the_floor(redis_config):
     assert out["admission"]["rollouts_per_s"] > 0 and out["floor"]["rollouts_per_s"] > 0
     assert out["ratio"] == pytest.approx(
         out["admission"]["rollouts_per_s"] / out["floor"]["rollouts_per_s"], rel=0.01)
+    assert out["workload"]["metrics"] is True  # the admission keeps its metrics, as its process does
+
+
+def test_bench_admission_without_metrics_says_so(capsys):
+    import json
+
+    assert bench_admission.main(["--json", "--rollouts", "128", "--no-metrics"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["metrics"] is False and out["admission"]["steps_emitted"] == 2
 
 
 def test_bench_schedule_frontier_prints_every_policy_at_every_lag(capsys):

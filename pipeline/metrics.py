@@ -320,13 +320,19 @@ class Metrics:
         Resubmissions, abandoned groups and admitted groups come from `observe_record`
         (the SchedulerRecord carries them), so this counts none of them."""
         s = str(shard)
+        submitted, cancelled, discarded = 0, Counts[str](), Counts[str]()
         for action in actions:
             if isinstance(action, Submit):
-                self._child(self.samples_submitted, s).inc()
+                submitted += 1
             elif isinstance(action, Cancel):
-                self._child(self.samples_cancelled, s, action.reason).inc()
+                cancelled[action.reason] += 1
             elif isinstance(action, Discard):
-                self._child(self.samples_discarded, s, action.reason).inc()
+                discarded[action.reason] += 1
+        if submitted:
+            self._child(self.samples_submitted, s).inc(submitted)
+        for metric, reasons in ((self.samples_cancelled, cancelled), (self.samples_discarded, discarded)):
+            for reason, n in reasons.items():
+                self._child(metric, s, reason).inc(n)
 
     def observe_finished(self, shard: int, status: Status | str, duration_s: float | None) -> None:
         """One result read: its status, and its session's duration when known."""

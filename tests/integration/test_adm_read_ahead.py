@@ -18,25 +18,18 @@ from pipeline import streams, wire
 from pipeline.config import AdmissionConfig, build
 from pipeline.redis_io import connect
 from pipeline.scheduler import Finish, Register
-from pipeline.sessions import Call, Session, Status, Task
+from pipeline.sessions import Task
+from tests.integration.test_admission_order import SCHEDULER, _result
 
 pytestmark = pytest.mark.timeout(60)
 
-SCHEDULER = {"admission": "stream", "groups": 4, "batch_size": 2, "admit": 2, "max_lag": 1,
-             "width": 64, "rows": 4}
 READ = 3  # results per read: eight results take three reads
 
 
-def _admission(r, redis_config, **kw) -> Admission:
+def _admission(r, redis_config, read_count: int = READ, **kw) -> Admission:
     config = build(AdmissionConfig, {"redis": redis_config.model_dump(), "scheduler": SCHEDULER,
                                      "block_ms": 1, "trim_every_s": 3600.0, "lease_s": 3600.0})
-    return Admission(config, r, snapshot_every=10_000, read_count=READ, **kw)
-
-
-def _result(group: int, sample: int) -> dict:
-    session = Session(Status.COMPLETED, 1.0, calls=[Call([1, 2], [3], [-0.5], 0)],
-                      timings={"started": 0.0, "finished": 1.0})
-    return wire.to_fields(wire.Result.from_session(0, 0, group, sample, 0, session, "test"))
+    return Admission(config, r, snapshot_every=10_000, read_count=read_count, **kw)
 
 
 def _drain(adm: Admission) -> None:

@@ -34,8 +34,11 @@ import math
 import platform
 import socket
 import threading
+from bisect import bisect_left
 from collections import Counter as Counts
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
+from itertools import accumulate
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
@@ -50,7 +53,9 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
 
 from pipeline.config import metrics_address
 from pipeline.errors import CommandError
@@ -113,6 +118,57 @@ UNLABELLED_OWNER = {
 """The process that exports each family without labels. A labelled family only shows the
 series a process sets, but an unlabelled one is exported (as 0) as soon as it is
 registered, so it is registered only in its owner's process."""
+
+
+class BatchHistogram:
+    """A labelled histogram observed a batch of values at a time, for a series fed once per
+    result: prometheus_client's `Histogram` takes a lock and walks its buckets for each value
+    (about 1.6 us), and has no call for several. Here a batch is bucketed with `bisect` and
+    added under one lock. It is a collector on `registry` (None: on none), exposed as a
+    histogram family like `Histogram`'s (`_bucket` with `le`, `_count`, `_sum`; no `_created`)."""
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry | None) -> None:
+        self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
+        self._bounds = [float(b) for b in buckets]
+        if self._bounds != sorted(set(self._bounds)) or not all(map(math.isfinite, self._bounds)):
+            raise ValueError(f"{name}: buckets must be finite and increasing, got {list(buckets)}")
+        self._bounds.append(math.inf)
+        self._bucket = partial(bisect_left, self._bounds)  # the first bound >= a value
+        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}  # counts, [sum]
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def observe_many(self, labels: tuple[str, ...], values: Iterable[float | None]) -> None:
+        """Observe each finite value >= 0 of `values` (None, NaN, infinities and negative
+        values are left out) in the series of `labels` (one value per label name)."""
+        kept = [v for v in values if v is not None and 0 <= v < math.inf]
+        if len(labels) != len(self.labelnames):
+            raise ValueError(f"{self.name}: labels {labels} for label names {self.labelnames}")
+        if not kept:
+            return
+        counts = Counts(map(self._bucket, kept))
+        total = sum(kept)
+        with self._lock:
+            series = self._series.get(labels)
+            if series is None:
+                series = self._series[labels] = ([0] * len(self._bounds), [0.0])
+            for i, n in counts.items():
+                series[0][i] += n
+            series[1][0] += total
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        with self._lock:
+            series = [(labels, list(counts), total[0]) for labels, (counts, total) in self._series.items()]
+        les = [floatToGoString(b) for b in self._bounds]
+        for labels, counts, total in series:
+            family.add_metric(list(labels), list(zip(les, accumulate(counts))), total)
+        yield family
 
 
 class Metrics:
@@ -193,9 +249,9 @@ class Metrics:
             "admitted_lag_updates", "Lag of each step's admitted rollouts: trainer updates "
             "minus the weight version of the oldest admitted call (the step's worst case).",
             ("shard",), LAG_BUCKETS)
-        self.session_duration = histogram(
-            "session_duration_seconds", "Submission-to-finish seconds of each rollout "
-            "session, whatever its status.", ("shard",), SESSION_BUCKETS)
+        self.session_duration = BatchHistogram(  # one observation per result: in batches
+            PREFIX + "session_duration_seconds", "Submission-to-finish seconds of each rollout "
+            "session, whatever its status.", ("shard",), SESSION_BUCKETS, r)
         self.step_metric = gauge(
             "step_metric", "Every finite value of the latest SchedulerRecord.metrics, by key "
             "(merge_ratio, non_pad_share, latency_s_p90, token_lag_mean, ...).",
@@ -345,10 +401,7 @@ class Metrics:
         s = str(shard)
         for status, n in Counts(statuses).items():
             self._child(self.samples_finished, s, status.value if isinstance(status, Status) else status).inc(n)
-        histogram = self._child(self.session_duration, s)
-        for duration_s in durations:
-            if duration_s is not None and math.isfinite(duration_s) and duration_s >= 0:
-                histogram.observe(duration_s)
+        self.session_duration.observe_many((s,), durations)
 
     def start_shard(self, shard: int) -> None:
         """Make the counters a shard may leave at zero for a long time exist at 0 (a series

@@ -108,9 +108,8 @@ def _pack(value: object) -> bytes:
 def _entry(event: Event, now: float) -> dict:
     """The map of one journal entry: `now`, then the event's fields (`_fields`), in order.
     A Finish, the most frequent event, is written directly (the same map)."""
-    if type(event) is Finish:
-        k = event.key
-        return {"n": float(now), "t": "finish", "k": [k.epoch, k.group, k.sample, k.attempt],
+    if type(event) is Finish:  # its key, a tuple, packs as the array of its fields
+        return {"n": float(now), "t": "finish", "k": event.key,
                 "s": event.status.value, "r": event.reward, "o": event.oldest_version, "x": event.error}
     return {"n": float(now), **_fields(event)}
 
@@ -122,8 +121,7 @@ def decode_entry(data: bytes) -> list[tuple[Event, float]]:
 
 def _fields(event: Event) -> dict:
     if isinstance(event, Finish):
-        k = event.key
-        return {"t": "finish", "k": [k.epoch, k.group, k.sample, k.attempt],
+        return {"t": "finish", "k": event.key,
                 "s": event.status.value, "r": event.reward, "o": event.oldest_version,
                 "x": event.error}
     if isinstance(event, Register):

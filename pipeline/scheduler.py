@@ -43,6 +43,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -883,18 +884,19 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         """The whole state as msgpack-native data (the config is the caller's to keep)."""
-        table: dict[int, int] = {}  # id(group object) -> index into `groups`
-        groups: list[list] = []
+        # the tracked groups first, then any other a sample or a credit still refers to;
+        # keys and samples' fields go as tuples (msgpack arrays: the bytes lists would give)
+        groups: list[list] = [_dump_group(group, True) for group in self._groups.values()]
+        table = {id(group): i for i, group in enumerate(self._groups.values())}  # id(group) -> index
 
         def ref(group: _Group) -> int:
-            if id(group) not in table:
-                table[id(group)] = len(groups)
+            at = table.get(id(group))
+            if at is None:
+                at = table[id(group)] = len(groups)
                 groups.append(_dump_group(group, self._groups.get(group.id) is group))
-            return table[id(group)]
+            return at
 
-        for group in self._groups.values():
-            ref(group)
-        running = [[list(_key_tuple(k)), ref(g), s.index] for k, (g, s) in self._running.items()]
+        running = [[k, ref(g), s.index] for k, (g, s) in self._running.items()]
         resubmit = [[ref(g), s.index, cause] for g, s, cause in self._resubmit]
         held = [[ref(g), n] for g, n in self._held_credits.values()]
         snap = {
@@ -905,8 +907,8 @@ class Scheduler:
             "groups": groups,
             "batches": [[b, _dump_batch(batch)] for b, batch in self._batches.items()],
             "running": running,
-            "deadlines": [[d, q, list(_key_tuple(k))] for d, q, k in self._deadlines],
-            "by_version": [[v, q, list(_key_tuple(k))] for v, q, k in self._by_version],
+            "deadlines": [[d, q, k] for d, q, k in self._deadlines],
+            "by_version": [[v, q, k] for v, q, k in self._by_version],
             "tasks": [[b, _dump_task(t)] for b, t in self._tasks],
             "resubmit": resubmit,
             "complete": list(self._complete),
@@ -954,10 +956,6 @@ class Scheduler:
         return sched
 
 
-def _key_tuple(key: SampleKey) -> tuple[int, int, int, int]:
-    return key.epoch, key.group, key.sample, key.attempt
-
-
 def _peek(sched: Scheduler, name: str) -> int:
     """The next value of an `itertools.count` attribute, leaving the counter where it was."""
     value = next(getattr(sched, name))
@@ -973,11 +971,13 @@ def _load_task(data: list) -> Task:
     return Task(data[0], data[1])
 
 
+_SAMPLE_FIELDS = operator.attrgetter("index", "attempt", "failures", "state", "submitted_version", "oldest")
+"""A sample's fields in a snapshot, in order (`_load_group`)."""
+
+
 def _dump_group(group: _Group, live: bool) -> list:
-    samples = [[s.index, s.attempt, s.failures, s.state, s.submitted_version, s.oldest]
-               for s in group.samples]
-    data = [group.id, group.batch, _dump_task(group.task), samples, list(group.admitted),
-            group.complete, live]
+    data = [group.id, group.batch, _dump_task(group.task), list(map(_SAMPLE_FIELDS, group.samples)),
+            list(group.admitted), group.complete, live]
     if group.backed_up:  # additive: only oversample_start="straggler" backs a group up
         data.append(True)
     return data

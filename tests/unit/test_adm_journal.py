@@ -68,7 +68,8 @@ def test_a_finish_s_held_reference_rides_in_its_entry_and_replays_by_name():
     key = SampleKey(0, 3, 1, 0)
     events = [(Finish(key, Status.COMPLETED, 1.0, 0, None), 5.0), (Tick(), 6.0)]
     data = encode_events(events, {0: b"1700000000000-7"})
-    assert msgpack.unpackb(data, raw=False) == [{**_entry(*events[0]), "h": b"1700000000000-7"}, _entry(*events[1])]
+    finish = {**_entry(*events[0]), "k": [0, 3, 1, 0], "h": b"1700000000000-7"}  # the key as packed
+    assert msgpack.unpackb(data, raw=False) == [finish, _entry(*events[1])]
     assert decode_entry(data) == events
     r, keys = fakeredis.FakeRedis(), Keys("journal-refs")
     config = build(SchedulerConfig, {})

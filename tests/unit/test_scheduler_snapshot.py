@@ -59,3 +59,17 @@ def test_a_snapshot_of_another_version_is_refused():
         assert "version" in str(exc)
     else:
         raise AssertionError("restore accepted an unknown snapshot version")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), data=st.data())
+def test_the_journal_writes_a_snapshot_as_its_plain_lists(cfg, data):
+    """Keys and samples' fields go into the snapshot as tuples: the journal's bytes are those
+    of the same data as msgpack's lists and maps (what `restore` reads back)."""
+    from consumers.journal import encode_snapshot
+
+    run = Run(cfg, data)
+    for _ in range(data.draw(st.integers(0, 40))):
+        run.step()
+    snap = run.d.sched.snapshot()
+    assert encode_snapshot(run.d.sched) == msgpack.packb(_roundtrip(snap), use_bin_type=True)

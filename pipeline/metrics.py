@@ -37,11 +37,11 @@ import threading
 from bisect import bisect_left
 from collections import Counter as Counts
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from functools import partial
-from itertools import accumulate
 from dataclasses import dataclass
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
+from itertools import accumulate
 from typing import Any
 
 from prometheus_client import (
@@ -135,7 +135,8 @@ class BatchHistogram:
             raise ValueError(f"{name}: buckets must be finite and increasing, got {list(buckets)}")
         self._bounds.append(math.inf)
         self._bucket = partial(bisect_left, self._bounds)  # the first bound >= a value
-        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}  # counts, [sum]
+        self._counts: dict[tuple[str, ...], list[int]] = {}  # by labels: each bucket's own count
+        self._sums: dict[tuple[str, ...], float] = {}
         self._lock = threading.Lock()
         if registry is not None:
             registry.register(self)
@@ -143,20 +144,20 @@ class BatchHistogram:
     def observe_many(self, labels: tuple[str, ...], values: Iterable[float | None]) -> None:
         """Observe each finite value >= 0 of `values` (None, NaN, infinities and negative
         values are left out) in the series of `labels` (one value per label name)."""
-        kept = [v for v in values if v is not None and 0 <= v < math.inf]
         if len(labels) != len(self.labelnames):
             raise ValueError(f"{self.name}: labels {labels} for label names {self.labelnames}")
+        kept = [v for v in values if v is not None and 0 <= v < math.inf]
         if not kept:
             return
         counts = Counts(map(self._bucket, kept))
         total = sum(kept)
         with self._lock:
-            series = self._series.get(labels)
-            if series is None:
-                series = self._series[labels] = ([0] * len(self._bounds), [0.0])
+            buckets = self._counts.get(labels)
+            if buckets is None:
+                buckets = self._counts[labels] = [0] * len(self._bounds)
             for i, n in counts.items():
-                series[0][i] += n
-            series[1][0] += total
+                buckets[i] += n
+            self._sums[labels] = self._sums.get(labels, 0.0) + total
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -164,7 +165,7 @@ class BatchHistogram:
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
         with self._lock:
-            series = [(labels, list(counts), total[0]) for labels, (counts, total) in self._series.items()]
+            series = [(labels, list(counts), self._sums[labels]) for labels, counts in self._counts.items()]
         les = [floatToGoString(b) for b in self._bounds]
         for labels, counts, total in series:
             family.add_metric(list(labels), list(zip(les, accumulate(counts))), total)

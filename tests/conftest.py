@@ -175,8 +175,9 @@ class Threads:
     def _start(self, obj: Any, name: str) -> Any:
         stop = threading.Event()
         thread = threading.Thread(target=self._run, args=(obj, stop), name=name, daemon=True)
-        thread.start()
+        # listed before it runs: a test's hook inside the thread may look itself up at once
         self.running.append((stop, thread, obj))
+        thread.start()
         return obj
 
     def admission(self, **kw: Any):
@@ -187,18 +188,22 @@ class Threads:
         return self._start(Admission(config, connect(self.redis_config), **options), "admission")
 
     def consumer(self, source: Any, name: str | None = None, metrics: Any = None, **kw: Any):
-        """Start a rollout consumer and wait until it polls for work (its heartbeat)."""
+        """Start a rollout consumer and wait until it polls for work (its heartbeat), or has
+        already stopped (a test's hook may stop it at its first commit, and a stopped consumer
+        removes its heartbeat)."""
         from consumers.rollout import RolloutConsumer
 
         config = build(ConsumerConfig, {"redis": self.redis_config.model_dump(mode="json"), **kw})
         client = connect(self.redis_config)
         consumer = self._start(RolloutConsumer(config, source, client, name=name, metrics=metrics), "consumer")
+        thread = self.running[-1][1]
         heartbeat = Keys(self.redis_config.namespace).consumer_heartbeat(consumer.name)
         deadline = time.monotonic() + 20
-        while not client.exists(heartbeat):
+        while thread.is_alive() and not client.exists(heartbeat):
             assert not self.errors, f"the consumer failed to start: {self.errors!r}"
             assert time.monotonic() < deadline, "the consumer did not start polling"
             time.sleep(0.01)
+        assert not self.errors, f"the consumer failed to start: {self.errors!r}"
         return consumer
 
     def stop(self, obj: Any, timeout_s: float = 20.0) -> None:

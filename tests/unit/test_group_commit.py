@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from consumers.rollout import _GroupCommit, _Publication, _SessionThreads
+from tests.integration.helpers import wait_until
 
 
 def _publication(i: int) -> _Publication:
@@ -67,6 +68,9 @@ def test_sessions_reuse_idle_threads_and_start_one_when_none_is_idle():
     for i in range(3):  # one after another: one thread
         threads.start(i)
         assert done.acquire(timeout=10)
+        # the session thread counts itself idle once `run` has returned, after `done`: until
+        # then the next start finds none idle and starts another
+        wait_until(lambda: threads._idle == 1, 20, "the session thread to count itself idle")
     threads.start("slow")  # busy while the next starts: a second thread
     threads.start(3)
     assert done.acquire(timeout=10)

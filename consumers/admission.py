@@ -611,8 +611,8 @@ class Admission:
         self.stats["transitions"] += 1
         if isinstance(event, (Open, Close)):
             self._drop_epochs(txn, keep=self.sched.epoch if isinstance(event, Open) else None)
-        if isinstance(event, Finish) and payload is not None and not any(
-                isinstance(a, Discard) and a.key == event.key for a in actions):
+        if isinstance(event, Finish) and payload is not None and not (actions and any(
+                isinstance(a, Discard) and a.key == event.key for a in actions)):
             (ref, data), rollout = payload
             self._hold(txn, event.key, ref, data, rollout)
         for action in actions:

@@ -350,6 +350,9 @@ def _queued(conn: redis.connection.Connection, n: int) -> list[redis.exceptions.
     try:
         while n:
             reply = reader.gets()
+            if reply in _QUEUED:  # (first: nearly every reply; never an error or a push)
+                n -= 1
+                continue
             if reply is more:
                 parser.read_from_socket()
                 continue
@@ -361,7 +364,7 @@ def _queued(conn: redis.connection.Connection, n: int) -> list[redis.exceptions.
                 errors.append(reply)
             elif isinstance(reply, Exception):  # the connection's
                 raise reply
-            elif reply not in _QUEUED:
+            else:
                 raise redis.exceptions.InvalidResponse(f"{reply!r} in reply to a command queued in a MULTI")
     except BaseException as exc:  # as `Connection.read_response` fails: disconnected, OSError a ConnectionError
         conn.disconnect()
@@ -570,10 +573,12 @@ def delete_namespace(r: redis.Redis, keys: Keys, *, batch: int = 500) -> int:
 
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
-    """`b"1700000000000-3"` -> (1700000000000, 3)."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
+    """`b"1700000000000-3"` -> (1700000000000, 3) (bytes split as they are: `int` reads them)."""
+    if isinstance(entry_id, bytes):
+        ms, _, seq = entry_id.partition(b"-")
+        return int(ms), int(seq or 0)
+    text, _, tail = entry_id.partition("-")
+    return int(text), int(tail or 0)
 
 
 def format_id(ms: int, seq: int) -> str:

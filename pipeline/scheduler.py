@@ -76,8 +76,8 @@ class SampleKey(NamedTuple):
 
 def member(key: SampleKey) -> str:
     """The name of one attempt (`held:{shard}`, the held references of the journal and the
-    snapshot, `cancelled:{shard}`)."""
-    return f"{key.epoch}:{key.group}:{key.sample}:{key.attempt}"
+    snapshot, `cancelled:{shard}`): its four ints joined by colons."""
+    return "%s:%s:%s:%s" % key  # (formatted from the tuple at once: about 0.6 of an f-string's time)
 
 
 def parse_member(name: bytes | str) -> SampleKey:
@@ -566,9 +566,10 @@ class Scheduler:
     def _recheck_lag(self, groups: list[_Group], complete, out: list[Action]) -> None:
         """At consumption, discard admitted rollouts that fell past the bound and resubmit
         them; a complete group among them leaves `complete` and waits for the new attempts."""
+        bound = self.updates - self.config.max_lag  # a member older than this is stale
         for group in groups:
-            stale = [i for i in group.admitted
-                     if self.updates - group.samples[i].oldest > self.config.max_lag]
+            samples = group.samples
+            stale = [i for i in group.admitted if samples[i].oldest < bound]
             for i in stale:
                 sample = group.samples[i]
                 out.append(Discard(self._key(group, sample), "stale"))

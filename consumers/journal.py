@@ -125,7 +125,7 @@ def decode_entry(data: bytes) -> list[tuple[Event, float]]:
 def _fields(event: Event) -> dict:
     if isinstance(event, Finish):
         return {"t": "finish", "k": event.key,
-                "s": event.status.value, "r": event.reward, "o": event.oldest_version,
+                "s": _STATUS_VALUES[event.status], "r": event.reward, "o": event.oldest_version,
                 "x": event.error}
     if isinstance(event, Register):
         return {"t": "register", "b": event.batch,

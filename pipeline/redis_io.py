@@ -574,11 +574,8 @@ def delete_namespace(r: redis.Redis, keys: Keys, *, batch: int = 500) -> int:
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
     """`b"1700000000000-3"` -> (1700000000000, 3) (bytes split as they are: `int` reads them)."""
-    if isinstance(entry_id, bytes):
-        ms, _, seq = entry_id.partition(b"-")
-        return int(ms), int(seq or 0)
-    text, _, tail = entry_id.partition("-")
-    return int(text), int(tail or 0)
+    ms, _, seq = entry_id.partition(b"-") if isinstance(entry_id, bytes) else entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def format_id(ms: int, seq: int) -> str:

@@ -571,7 +571,7 @@ class Scheduler:
             samples = group.samples
             stale = [i for i in group.admitted if samples[i].oldest < bound]
             for i in stale:
-                sample = group.samples[i]
+                sample = samples[i]
                 out.append(Discard(self._key(group, sample), "stale"))
                 group.admitted.remove(i)
                 self._resubmit_sample(group, sample, "stale", out)

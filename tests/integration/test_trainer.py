@@ -157,5 +157,7 @@ def test_the_demo_learns_copy_one_digit(tmp_path):
 
     assert main(["--out", str(tmp_path), "--quiet"]) == 0
     rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    last = sum(rewards[-10:]) / 10
-    assert last >= 0.8, (last, rewards)
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    # the slowest run measured ended at 0.78 (docs/trainer.md: timing decides which version
+    # serves each session); an untrained policy scores about 0.03
+    assert first < 0.2 and last >= 0.5, (first, last, rewards)

@@ -16,11 +16,11 @@ the limit (TRUNCATED, `max_new_tokens`) and scored by the verifier under the `sc
 truncation policy, so a right digit earns 1 and a wrong one 0 (`ArithmeticEnv`). The policy
 starts uniform over 64 tokens, so a right digit is drawn 1 time in 64: groups of 16 see one
 far more often than groups of 8, and lr 2e-3 learns without collapsing each prompt onto one
-wrong digit (lr 5e-3 often did). Runs differ in speed, not in whether they learn: the
-slowest reached 0.8 (10-step mean) near step 138, so 200 steps leave room. `--seed` seeds
-the model and the sampling. Measured on two CPU cores shared with other jobs: mean reward of
-the first 10 steps ~0.02, of the last 10 0.97-1.00 on seeds 0-7, in 2-3 minutes (one in
-4.4 at a load average of 18) (docs/trainer.md, with the search that chose these values).
+wrong digit (lr 5e-3 often did). Runs differ in speed, not in whether they learn: a run's
+timing decides which weight version serves each session, and the slowest measured ended at
+0.78 (10-step mean). `--seed` seeds the model and the sampling. Mean reward of the first 10
+steps ~0.02, of the last 10 0.93-1.00 in most runs of seeds 0-7, in 1.5-3 minutes on two
+CPU cores (docs/trainer.md: the runs, and the search that chose these values).
 
 `--admission`, `--ahead`, `--max-lag` set the schedule (`rollstream bench learn` runs the
 demo under sync, batch and stream schedules), `--minibatches` and `--epochs` the PPO

@@ -120,8 +120,10 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
     trainer's pushes evenly spaced.
 
     A step trains `groups * batch_size` samples, so at `share` the pushes come every
-    P = groups * batch_size / (share * capacity) seconds, and a session started right after
-    a push must end within W = lag * P to be trained (later starts have less). A policy
+    P = groups * batch_size / (share * capacity) seconds. A session started right after
+    push v (the handover of step v, whose update count is v) carries version v, and step k
+    admits it while k - v <= lag; step v + lag is emitted before push v + lag + 1, so the
+    session must end within W = (lag + 1) * P to be trained (later starts have less). A policy
     that does not know a session's length before it ends can only give it up at some age
     a <= W (running it past W trains nothing): it wastes a * S(a) slot-seconds per attempt
     (S: the share of sessions longer than a) against E[min(d, a)] busy, trains the sessions
@@ -133,7 +135,7 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
     push_s = _push_interval(workload, share, mean)
-    window = lag * push_s
+    window = (lag + 1) * push_s
 
     def longer(a: float) -> float:
         return _longer(a, median, sigma, cap)

@@ -120,7 +120,9 @@ def test_the_least_waste_bound_matches_giving_up_at_the_window_on_sampled_sessio
     out = bench_schedule.least_waste_share(w, 1, 0.584)
     mean = bench_schedule.capped_lognormal_mean(1.0, 1.0, 20.0)
     assert out["push_interval_s"] == pytest.approx(256 * mean / (0.584 * 256), rel=1e-3)
-    assert out["window_s"] == out["push_interval_s"] and out["give_up_at_s"] == out["window_s"]
+    # max_lag + 1 push intervals: from just after push v to the emission of step v + max_lag
+    assert out["window_s"] == pytest.approx(2 * out["push_interval_s"], rel=1e-3)
+    assert out["give_up_at_s"] == out["window_s"]
     rng, a = random.Random(0), out["window_s"]
     lengths = [min(rng.lognormvariate(0.0, 1.0), 20.0) for _ in range(200_000)]
     wasted = sum(a for d in lengths if d > a)
@@ -130,10 +132,53 @@ def test_the_least_waste_bound_matches_giving_up_at_the_window_on_sampled_sessio
     assert out["trained_length_vs_workload"] == pytest.approx(sum(trained) / len(trained) / mean, abs=0.01)
     # a longer bound leaves less to waste; past the longest session nothing
     wider = bench_schedule.least_waste_share(w, 2, 0.584)
-    assert wider["window_s"] == pytest.approx(2 * a, rel=1e-3) and wider["waste_share"] < out["waste_share"]
+    assert wider["window_s"] == pytest.approx(1.5 * a, rel=1e-3) and wider["waste_share"] < out["waste_share"]
     assert bench_schedule.least_waste_share(w, 100, 0.584)["waste_share"] == 0.0
     assert math.isclose(out["longer_than_window"], sum(d > a for d in lengths) / len(lengths), abs_tol=0.005)
 
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_session_counted_from_its_start_trains_across_lag_pushes_and_no_more(lag):
+    """The window `least_waste_share` gives a session, max_lag + 1 push intervals, is the
+    scheduler's: in a simulated `stream` run whose sessions carry the version served as they
+    start, a trained session has at most `lag` handovers (pushes) inside it, and some have
+    exactly `lag`, lasting longer than `lag` push intervals."""
+    from rollstream import simulate
+    from consumers.sources.sleep import SleepSource
+
+    w = bench_schedule.workload_for(False, median_ms=1000.0, slots=64, procs=1, batch_size=8,
+                                    steps=40, ahead=lag, max_lag=lag)
+    source = SleepSource(**bench_schedule._sleep_args(w))
+    starts, ends, handovers = {}, {}, []
+
+    class Recorded(simulate.Simulation):
+        def _fill(self):
+            before = set(self._running)
+            super()._fill()
+            starts.update((k, self.now) for k in set(self._running) - before)
+
+        def _finish(self, payload):
+            if payload[0] in self._running:
+                ends[payload[0]] = self.now
+            return super()._finish(payload)
+
+        def _trained(self, step):
+            handovers.append(self.now)
+            return super()._trained(step)
+
+    sim = Recorded(bench_schedule._scheduler("stream", w), simulate.Workload(
+        slots=w["slots"], batch_size=w["batch_size"], median_s=1.0, sigma=1.0, cap=20.0,
+        train_s=w["train_ms"] / 1000, status_mix={"completed": 1.0}, call_at_end=False),
+        durations=lambda sub: source.duration_for(sub.task.id, sub.key.group, sub.key.sample,
+                                                  sub.key.attempt))
+    list(sim.steps(w["steps"]))
+    trained = [k for k in starts if (k.group, k.sample, k.attempt) in sim.trained]
+    inside = [sum(starts[k] < h < ends[k] for h in handovers) for k in trained]
+    push = (handovers[-1] - handovers[0]) / (len(handovers) - 1)
+    assert len(trained) == w["steps"] * w["batch_size"] * w["groups"]
+    assert max(inside) == lag
+    assert max(ends[k] - starts[k] for k in trained) > lag * push
 
 def _given_up_at(lengths, ages):
     """Busy, ended-by-itself and wasted slot-seconds of sessions given up at `ages`."""

@@ -137,7 +137,6 @@ def test_the_least_waste_bound_matches_giving_up_at_the_window_on_sampled_sessio
     assert math.isclose(out["longer_than_window"], sum(d > a for d in lengths) / len(lengths), abs_tol=0.005)
 
 
-
 @pytest.mark.parametrize("lag", [1, 2])
 def test_a_session_counted_from_its_start_trains_across_lag_pushes_and_no_more(lag):
     """The window `least_waste_share` gives a session, max_lag + 1 push intervals, is the
@@ -150,17 +149,13 @@ def test_a_session_counted_from_its_start_trains_across_lag_pushes_and_no_more(l
     w = bench_schedule.workload_for(False, median_ms=1000.0, slots=64, procs=1, batch_size=8,
                                     steps=40, ahead=lag, max_lag=lag)
     source = SleepSource(**bench_schedule._sleep_args(w))
-    starts, ends, handovers = {}, {}, []
+    spans, handovers = {}, []  # key -> (start, end) of every attempt that ended by itself
 
     class Recorded(simulate.Simulation):
-        def _fill(self):
-            before = set(self._running)
-            super()._fill()
-            starts.update((k, self.now) for k in set(self._running) - before)
-
         def _finish(self, payload):
-            if payload[0] in self._running:
-                ends[payload[0]] = self.now
+            entry = self._running.get(payload[0])  # (start, length); None: cancelled
+            if entry is not None:
+                spans[payload[0]] = (entry[0], self.now)
             return super()._finish(payload)
 
         def _trained(self, step):
@@ -173,12 +168,13 @@ def test_a_session_counted_from_its_start_trains_across_lag_pushes_and_no_more(l
         durations=lambda sub: source.duration_for(sub.task.id, sub.key.group, sub.key.sample,
                                                   sub.key.attempt))
     list(sim.steps(w["steps"]))
-    trained = [k for k in starts if (k.group, k.sample, k.attempt) in sim.trained]
-    inside = [sum(starts[k] < h < ends[k] for h in handovers) for k in trained]
+    trained = [spans[k] for k in spans if (k.group, k.sample, k.attempt) in sim.trained]
+    inside = [sum(start < h < end for h in handovers) for start, end in trained]
     push = (handovers[-1] - handovers[0]) / (len(handovers) - 1)
     assert len(trained) == w["steps"] * w["batch_size"] * w["groups"]
     assert max(inside) == lag
-    assert max(ends[k] - starts[k] for k in trained) > lag * push
+    assert max(end - start for start, end in trained) > lag * push
+
 
 def _given_up_at(lengths, ages):
     """Busy, ended-by-itself and wasted slot-seconds of sessions given up at `ages`."""

@@ -134,7 +134,7 @@ def least_waste_share(workload: dict, lag: int, share: float) -> dict:
     step's sessions together and its push waits for the groups it needs, idling slots."""
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
-    push_s = _push_interval(workload, share, mean)
+    push_s = push_interval(workload, share, mean)
     window = (lag + 1) * push_s
 
     def longer(a: float) -> float:
@@ -189,7 +189,7 @@ def least_waste_share_fixed_window(workload: dict, lag: int, share: float, point
     over the workload's."""
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
-    push_s = _push_interval(workload, share, mean)
+    push_s = push_interval(workload, share, mean)
     window = (lag + 1) * push_s
     t = np.array([window * k / points for k in range(2 * points + 2)])  # ages up to 2W and a step
     longer = np.array([_longer(x, median, sigma, cap) for x in t])
@@ -212,7 +212,7 @@ def least_waste_share_fixed_window(workload: dict, lag: int, share: float, point
             "trained_length_vs_workload": round(float(trained_mean) / mean, 4)}
 
 
-def _push_interval(workload: dict, share: float, mean: float) -> float:
+def push_interval(workload: dict, share: float, mean: float) -> float:
     """Seconds between the trainer's pushes at `share` of the capacity bound: a step trains
     `groups * batch_size` samples of mean length `mean` on `slots` slots."""
     return workload["groups"] * workload["batch_size"] * mean / (share * workload["slots"])

@@ -1,0 +1,178 @@
+"""One group at a time, with slots unlimited: what simple policies waste on the window alone.
+
+Where a rollout's staleness counts from its end (`SleepSource` makes its one call as the
+session ends), a result that lands between push v and push v + 1 carries version v, and its
+group must be handed to the trainer by step v + `max_lag`, before push v + `max_lag` + 1
+(`bench_schedule.least_waste_share_fixed_window`); a member that does not make it ages out
+and must be run again. This module keeps that rule and drops the rest of the pipeline: one
+group runs at a time, with as many slots as it likes, time costs nothing, and the trainer
+pushes every P seconds, P the push interval at the share of capacity asked
+(`bench_schedule.push_interval`). A group trains once `groups` of its results are alive
+(landed and not aged out); every other slot-second it used is wasted. With `pushes=False`
+the window is relaxed further: a result ages out (`max_lag` + 1) x P after it lands,
+whatever the pushes.
+
+The pipeline, seen one group at a time, is one such policy (its choices hang on other
+groups' sessions, which are independent of this group's), so with the trainer pushing at a
+steady rate no pipeline policy wastes less than the best policy of this model. That best
+policy is not known, so nothing here is a bound: `best_group_policy` gives the least waste
+share of a family of simple policies (`GroupPolicy`), each attempt's length an independent
+draw learnt only as it lands, to set beside what `stream` wastes in the pipeline
+(BENCHMARKS.md, "One group at a time").
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from dataclasses import asdict, dataclass, field
+
+from rollstream.bench_schedule import capped_lognormal_mean, push_interval
+
+_LAND, _REPLACE, _AGE_OUT, _GIVE_UP = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class GroupPolicy:
+    """A group keeps `groups + extra_first` attempts alive until its first result lands and
+    `groups + extra` after; alive means running, or landed and more than `lead_s` from ageing
+    out. So a result's replacement starts `lead_s` before it ages out (0: as it ages out), and
+    if the group completes first the replacement is surplus. `give_up_lead_s` before a result
+    ages out, every running attempt older than `give_up_after_s` is given up (its slot-seconds
+    wasted) and replaced. With pushes, the group starts `start_phase` of a push interval after
+    a push (None: anywhere, at random)."""
+
+    extra_first: int = 0
+    extra: int = 0
+    lead_s: float = 0.0
+    give_up_after_s: float = math.inf
+    give_up_lead_s: float = 0.5
+    start_phase: float | None = None
+
+
+@dataclass
+class _Group:
+    """One group's run: attempts running (id -> start, length), results alive (id ->
+    length) and those among them already replaced, the time of push 0 (the group starts at
+    0), and its busy slot-seconds and attempts so far."""
+
+    push_zero: float
+    running: dict[int, tuple[float, float]] = field(default_factory=dict)
+    alive: dict[int, float] = field(default_factory=dict)
+    replaced: set[int] = field(default_factory=set)
+    events: list[tuple[float, int, int]] = field(default_factory=list)
+    busy: float = 0.0
+    attempts: int = 0
+    landed: bool = False
+
+
+def group_waste(workload: dict, lag: int, share: float, policy: GroupPolicy, pushes: bool = True,
+                groups: int = 4000, seed: int = 0) -> dict:
+    """`policy`'s waste share (wasted over busy slot-seconds) over `groups` groups of
+    `workload["groups"]` on `workload`'s sessions (log-normal: median `median_ms`, shape
+    `sigma`, capped at `cap` medians) at `max_lag` `lag`, the trainer pushing at `share` of
+    the capacity bound; with the trained sessions' mean length over the workload's and the
+    attempts a group takes."""
+    rng = random.Random(seed)
+    median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
+    mean = capped_lognormal_mean(median, sigma, cap)
+    push_s = push_interval(workload, share, mean)
+
+    def draw() -> float:
+        return min(median * math.exp(rng.gauss(0.0, sigma)), cap * median)
+
+    def ages_out(group: _Group, landed_at: float) -> float:
+        if not pushes:
+            return landed_at + (lag + 1) * push_s
+        interval = math.floor((landed_at - group.push_zero) / push_s)
+        return group.push_zero + (interval + lag + 1) * push_s
+
+    size = workload["groups"]
+    busy = trained = 0.0
+    attempts = 0
+    for _ in range(groups):
+        phase = rng.random() if policy.start_phase is None else policy.start_phase
+        group = _Group(push_zero=-phase * push_s)
+        trained += _run_group(group, size, policy, draw, ages_out)
+        busy += group.busy
+        attempts += group.attempts
+    return {"max_lag": lag, "share": share, "push_interval_s": round(push_s, 4),
+            "pushes": pushes, "waste_share": round((busy - trained) / busy, 4),
+            "trained_length_vs_workload": round(trained / (groups * size) / mean, 4),
+            "attempts_per_group": round(attempts / groups, 3)}
+
+
+def _run_group(group: _Group, size: int, policy: GroupPolicy, draw, ages_out) -> float:
+    """Runs one group until `size` results are alive; returns their slot-seconds (the
+    attempts still running then are given up and count as busy, and wasted)."""
+    ids = itertools.count()
+    events = group.events
+
+    def top_up(now: float) -> None:
+        target = size + (policy.extra if group.landed else policy.extra_first)
+        while len(group.running) + len(group.alive) - len(group.replaced) < target:
+            i, length = next(ids), draw()
+            group.running[i] = (now, length)
+            group.attempts += 1
+            heapq.heappush(events, (now + length, _LAND, i))
+
+    top_up(0.0)
+    while True:
+        now, kind, i = heapq.heappop(events)
+        if kind == _LAND:
+            if i not in group.running:
+                continue  # given up before it landed
+            _, length = group.running.pop(i)
+            group.busy += length
+            group.alive[i] = length
+            group.landed = True
+            if len(group.alive) >= size:
+                group.busy += sum(now - start for start, _ in group.running.values())
+                return sum(group.alive.values())
+            out = ages_out(group, now)
+            heapq.heappush(events, (out, _AGE_OUT, i))
+            heapq.heappush(events, (out - policy.lead_s, _REPLACE, i))
+            if policy.give_up_after_s < math.inf:
+                heapq.heappush(events, (out - policy.give_up_lead_s, _GIVE_UP, i))
+        elif kind == _REPLACE and i in group.alive:
+            group.replaced.add(i)
+        elif kind == _AGE_OUT:
+            group.alive.pop(i, None)
+            group.replaced.discard(i)
+        elif kind == _GIVE_UP and i in group.alive:
+            _give_up_old(group, now, policy.give_up_after_s)
+        top_up(now)
+
+
+def _give_up_old(group: _Group, now: float, older_than: float) -> None:
+    for j, (start, _) in list(group.running.items()):
+        if now - start > older_than:
+            group.busy += now - start
+            del group.running[j]
+
+
+def policy_grid(pushes: bool) -> tuple[GroupPolicy, ...]:
+    """The family `best_group_policy` searches: no extra attempt or one, before and after the
+    first result lands; replacements 0 to 1 s ahead; stragglers never given up, or given
+    up past 4 s; and, with pushes, groups started at a push, 0.3 or 0.6 of an interval
+    after one, or anywhere."""
+    phases = (None, 0.0, 0.3, 0.6) if pushes else (None,)
+    return tuple(GroupPolicy(first, extra, lead, after, 0.5, phase)
+                 for first, extra, lead, after, phase in itertools.product(
+                     (0, 1), (0, 1), (0.0, 0.25, 0.5, 0.75, 1.0), (math.inf, 4.0), phases))
+
+
+def best_group_policy(workload: dict, lag: int, share: float, pushes: bool = True,
+                      groups: int = 1500, seed: int = 0) -> dict:
+    """The policy of `policy_grid` that wastes least at `max_lag` `lag` and `share`, chosen
+    over `groups` groups and then measured on four times as many others (seed + 1), beside
+    the policy that only replaces what ages out (`naive_waste_share`, the same groups)."""
+    def waste(policy: GroupPolicy, n: int, s: int) -> dict:
+        return group_waste(workload, lag, share, policy, pushes, n, s)
+
+    best = min(policy_grid(pushes), key=lambda p: waste(p, groups, seed)["waste_share"])
+    naive = waste(GroupPolicy(), 4 * groups, seed + 1)
+    return {**waste(best, 4 * groups, seed + 1), "policy": asdict(best),
+            "naive_waste_share": naive["waste_share"]}

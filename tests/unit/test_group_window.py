@@ -1,0 +1,63 @@
+"""`rollstream.group_window`: one group at a time with unlimited slots, its results ageing
+out at the pushes (or a fixed time after they land), under a family of simple policies."""
+
+import math
+
+import numpy as np
+
+from rollstream.bench_schedule import capped_lognormal_mean, push_interval, workload_for
+from rollstream.group_window import GroupPolicy, best_group_policy, group_waste, policy_grid
+
+W = workload_for(False, median_ms=1000.0)
+SHARE = 0.598  # `batch`'s share at max_lag 1 in BENCHMARKS.md: a push every 2.74 s
+
+
+def test_a_window_longer_than_any_session_wastes_nothing():
+    push = push_interval(W, SHARE, capped_lognormal_mean(1.0, 1.0, 20.0))
+    lag = math.ceil(20.0 / push)  # every result lives at least lag pushes: longer than any session
+    for pushes in (True, False):
+        out = group_waste(W, lag, SHARE, GroupPolicy(), pushes, groups=2000)
+        assert out["waste_share"] == 0.0
+        assert out["attempts_per_group"] == W["groups"]
+        assert abs(out["trained_length_vs_workload"] - 1.0) < 0.05
+
+
+def test_an_extra_attempt_is_given_up_at_its_age_when_the_group_completes():
+    # nine start together and nothing ages out: the ninth is given up as the eighth lands
+    out = group_waste(W, 8, SHARE, GroupPolicy(extra_first=1), False, groups=20000, seed=3)
+    assert out["attempts_per_group"] == 9
+    draws = np.sort(np.minimum(np.exp(np.random.default_rng(7).normal(0.0, 1.0, (200000, 9))), 20.0), axis=1)
+    trained, wasted = draws[:, :8].sum(axis=1).mean(), draws[:, 7].mean()
+    assert abs(out["waste_share"] - wasted / (trained + wasted)) < 0.005
+
+
+def test_results_ageing_out_at_the_pushes_waste_more_than_a_fixed_time_after_landing():
+    at_pushes = group_waste(W, 1, SHARE, GroupPolicy(), True, groups=4000)["waste_share"]
+    after_landing = group_waste(W, 1, SHARE, GroupPolicy(), False, groups=4000)["waste_share"]
+    assert at_pushes > after_landing + 0.03 > 0.2
+
+
+def test_a_replacement_started_ahead_and_a_start_at_a_push_each_waste_less():
+    def waste(**policy):
+        return group_waste(W, 1, SHARE, GroupPolicy(**policy), True, groups=4000, seed=1)["waste_share"]
+
+    naive, ahead = waste(), waste(lead_s=0.5)
+    assert ahead < naive - 0.05
+    assert waste(lead_s=0.5, start_phase=0.0) < ahead - 0.01
+
+
+def test_giving_up_stragglers_trains_shorter_sessions_and_wastes_their_time():
+    def run(**policy):
+        return group_waste(W, 1, SHARE, GroupPolicy(**policy), True, groups=2000, seed=2)
+
+    kept, given_up = run(), run(give_up_after_s=2.0)
+    assert given_up["trained_length_vs_workload"] < kept["trained_length_vs_workload"] - 0.2
+    assert given_up["waste_share"] > kept["waste_share"]
+
+
+def test_the_best_policy_of_the_grid_is_measured_on_other_groups_beside_the_naive_one():
+    out = best_group_policy(W, 1, SHARE, pushes=True, groups=200)
+    assert GroupPolicy(**out["policy"]) in policy_grid(True)
+    assert out["waste_share"] < out["naive_waste_share"]
+    assert out["max_lag"] == 1 and out["pushes"] is True
+    assert len(policy_grid(False)) * 4 == len(policy_grid(True))

@@ -73,6 +73,7 @@ from pipeline.processes import Process, free_port
 from trainer.run_config import RunConfig
 from rollstream.local import LocalRun
 from trainer.main import batches
+from trainer.step_records import count_rows, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +168,7 @@ class Chaos:
     # ------------------------------------------------------------------ the run
 
     def steps_done(self) -> int:
-        if not self.record.exists():
-            return 0
-        lines = [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
-        return 1 + max((row["step"] for row in lines), default=-1)
+        return 1 + max((row["step"] for row in read_rows(self.record)), default=-1)
 
     def schedule(self) -> list[tuple[float, str]]:
         """(seconds into the window, kind): every kind once in a seeded order over the first
@@ -248,10 +246,7 @@ class Chaos:
 
     def lines(self) -> int:
         """Step records written so far (by every trainer run)."""
-        if not self.record.exists():
-            return 0
-        with self.record.open("rb") as f:
-            return sum(1 for line in f if line.endswith(b"\n"))
+        return count_rows(self.record)
 
     def training(self) -> bool:
         """Whether the trainer running now has recorded a step since it started."""
@@ -336,8 +331,7 @@ def lineage(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def audit(config: RunConfig, record: Path) -> dict[str, Any]:
     """Every task of the lineage's batches trained once, ended untrained with a cause, or
     outstanding in the final checkpoint; none lost, none trained twice (module docstring)."""
-    rows = [json.loads(line) for line in record.read_text().splitlines() if line.strip()] \
-        if record.exists() else []
+    rows = read_rows(record)
     history = lineage(rows)
     steps = [row["step"] for row in history]
     data = batches(config.data, 0, 1)

@@ -59,6 +59,7 @@ from pipeline.metrics import Metrics, serving
 from pipeline.redis_io import check, connect
 from trainer import checkpoint
 from trainer.run_config import DataConfig, RunConfig
+from trainer.step_records import open_for_append
 from domain.model import context_size, vocab_size
 
 log = logging.getLogger(__name__)
@@ -204,9 +205,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None,
 def _record_file(config: RunConfig, rank: int, stack: ExitStack) -> Any:
     if not config.record:
         return None
-    path = Path(config.record.replace("{rank}", str(rank)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return stack.enter_context(path.open("a", encoding="utf-8"))
+    return stack.enter_context(open_for_append(Path(config.record.replace("{rank}", str(rank)))))
 
 
 def main(config: RunConfig) -> int:

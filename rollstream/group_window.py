@@ -133,9 +133,9 @@ def _run_group(group: _Group, size: int, policy: GroupPolicy, draw, ages_out) ->
                 return sum(group.alive.values())
             out = ages_out(group, now)
             heapq.heappush(events, (out, _AGE_OUT, i))
-            heapq.heappush(events, (out - policy.lead_s, _REPLACE, i))
+            heapq.heappush(events, (max(now, out - policy.lead_s), _REPLACE, i))
             if policy.give_up_after_s < math.inf:
-                heapq.heappush(events, (out - policy.give_up_lead_s, _GIVE_UP, i))
+                heapq.heappush(events, (max(now, out - policy.give_up_lead_s), _GIVE_UP, i))
         elif kind == _REPLACE and i in group.alive:
             group.replaced.add(i)
         elif kind == _AGE_OUT:

@@ -61,3 +61,12 @@ def test_the_best_policy_of_the_grid_is_measured_on_other_groups_beside_the_naiv
     assert out["waste_share"] < out["naive_waste_share"]
     assert out["max_lag"] == 1 and out["pushes"] is True
     assert len(policy_grid(False)) * 4 == len(policy_grid(True))
+
+
+def test_a_lead_longer_than_a_result_lives_replaces_it_as_it_lands():
+    # every result is replaced at once, so 8 attempts always run; no event goes back in time
+    # (that would count slot-seconds twice and put the waste share above 1)
+    long_lead = group_waste(W, 1, SHARE, GroupPolicy(lead_s=100.0), True, groups=2000, seed=4)
+    at_half_a_second = group_waste(W, 1, SHARE, GroupPolicy(lead_s=0.5), True, groups=2000, seed=4)
+    assert at_half_a_second["waste_share"] < long_lead["waste_share"] < 1.0
+    assert long_lead["attempts_per_group"] > at_half_a_second["attempts_per_group"] + 2

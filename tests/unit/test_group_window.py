@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from rollstream.bench_schedule import capped_lognormal_mean, push_interval, workload_for
+from rollstream.bench_schedule import push_interval, workload_for
 from rollstream.group_window import GroupPolicy, best_group_policy, group_waste, policy_grid
 
 W = workload_for(False, median_ms=1000.0)
@@ -13,7 +13,7 @@ SHARE = 0.598  # `batch`'s share at max_lag 1 in BENCHMARKS.md: a push every 2.7
 
 
 def test_a_window_longer_than_any_session_wastes_nothing():
-    push = push_interval(W, SHARE, capped_lognormal_mean(1.0, 1.0, 20.0))
+    push = push_interval(W, SHARE, W["mean_session_s"])
     lag = math.ceil(20.0 / push)  # every result lives at least lag pushes: longer than any session
     for pushes in (True, False):
         out = group_waste(W, lag, SHARE, GroupPolicy(), pushes, groups=2000)

@@ -55,10 +55,18 @@ class SchedulerConfig(_Model):
     backfill: Literal["sample", "group"] = Field(
         "sample", description="stream mode: a sample's credit is released when it ends (sample), "
         "or held until its whole group has ended (group: the legacy group-gated baseline)")
-    oversample_start: Literal["group", "straggler"] = Field(
+    oversample_start: Literal["group", "straggler", "replace"] = Field(
         "group", description="stream mode: the oversample extra rollouts of a group are "
         "submitted with it (group), or only once no more than oversample of its rollouts are "
-        "still running (straggler: a backup for the slowest)")
+        "still running (straggler: a backup for the slowest), or one for each admitted "
+        "rollout that the next handover will make stale, as that handover nears (replace: "
+        "see replace_ahead)")
+    replace_ahead: float = Field(
+        0.5, gt=0, le=1, description="stream mode, oversample_start=replace: while the trainer "
+        "waits for a step that lacks at most this share of its groups, every admitted rollout "
+        "of a waiting group that the next handover will make stale gets a replacement (an "
+        "extra rollout, or the slot of a member it replaced before); a replaced member that "
+        "goes stale is not run again while its group can still complete")
     backup_limit: int | None = Field(
         None, ge=1, description="stream mode, oversample_start=straggler: most backup rollouts "
         "queued or running at once (groups whose members are oldest are backed up first); "
@@ -109,8 +117,11 @@ class SchedulerConfig(_Model):
             )
         if self.admit is not None and self.batch_size is not None and self.admit > self.batch_size:
             raise ValueError(f"admit={self.admit} exceeds batch_size={self.batch_size}")
-        if self.oversample_start == "straggler" and self.admission != "stream":
-            raise ValueError("oversample_start='straggler' needs admission='stream'")
+        if self.oversample_start != "group" and self.admission != "stream":
+            raise ValueError(f"oversample_start={self.oversample_start!r} needs admission='stream'")
+        if self.oversample_start == "replace" and self.oversample < 1:
+            raise ValueError("oversample_start='replace' needs oversample >= 1: a group's first "
+                             "replacement is one of its extra rollouts")
         if self.backup_limit is not None and self.backup_limit < self.oversample:
             raise ValueError(
                 f"backup_limit={self.backup_limit} is below oversample={self.oversample}: "

@@ -241,7 +241,8 @@ class Metrics:
         self.samples_backed_up = counter(
             "samples_backed_up_total", "Extra rollouts queued as backups of a group's "
             "stragglers (stream admission, oversample_start=straggler; capped by "
-            "backup_limit), from the SchedulerRecords.", ("shard",))
+            "backup_limit) or as replacements of its members about to go stale "
+            "(oversample_start=replace), from the SchedulerRecords.", ("shard",))
         self.rollouts_overlong = counter(
             "rollouts_overlong_total", "Results with a chain longer than a packed row, cut "
             "to the row width and admitted as TRUNCATED (they train under the truncation "
@@ -420,7 +421,7 @@ class Metrics:
         """The scheduler's side of one packed step of `shard` (the admission consumer).
 
         Counters: admitted/abandoned/cut/refused/surplus groups, resubmissions by cause,
-        straggler backups queued. Histogram: the
+        straggler backups and replacements queued. Histogram: the
         step's lag. Gauges: every finite key of `record.metrics` in `rollstream_step_metric`.
         `record.cancelled` is not re-counted: the cancels are counted with their reasons as
         they happen (`observe_actions`). The trainer's side of the same step (steps,

@@ -27,7 +27,11 @@ members of groups still waiting on a straggler that aged past the bound are resu
 once. `oversample` works in stream mode as in batch mode (the first `groups` finishers of a
 group are admitted, the rest cancelled as surplus), with the same bias toward short sessions;
 with `oversample_start="straggler"` the extra samples are held back and submitted, at a
-handover, only as backups of a group's stragglers once its admitted members are aging.
+handover, only as backups of a group's stragglers once its admitted members are aging; with
+`oversample_start="replace"` they are held back too, and each stands in for one admitted
+member that the next handover will make stale, queued while the trainer waits for a step
+that lacks at most `replace_ahead` of its groups (the replaced member is then not run again
+while its group can still complete, and its slot can carry the next replacement).
 `stale_running="finish"` leaves a running sample submitted past the bound to its result.
 
 Stream mode with `backfill="group"` (additive; the legacy group-gated baseline that sample
@@ -95,7 +99,8 @@ class SchedulerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     counts complete groups left out because their chains did not fit the batch's rows;
     waited is the seconds the trainer waited; metrics is session_metrics over the admitted
     rollouts and their packed batch; backups counts extra rollouts queued as backups of a
-    group's stragglers (stream mode, oversample_start="straggler").
+    group's stragglers or replacements of its members about to go stale (stream mode,
+    oversample_start="straggler" or "replace").
 
     A typed struct (msgspec): the one definition of these fields, which the `Ready` a trainer
     receives carries (`pipeline.ready.ReadyRecord` adds what packing and admission know) and
@@ -290,7 +295,7 @@ class _Sample:
 
 
 class _Group:
-    __slots__ = ("id", "batch", "task", "samples", "admitted", "complete", "backed_up")
+    __slots__ = ("id", "batch", "task", "samples", "admitted", "complete", "backed_up", "replaced")
 
     def __init__(self, gid: int, batch: int, task: Task, size: int) -> None:
         self.id = gid
@@ -300,6 +305,7 @@ class _Group:
         self.admitted: list[int] = []  # sample indices in finishing order
         self.complete = False
         self.backed_up = False  # oversample_start="straggler": its extra samples were queued
+        self.replaced: set[int] = set()  # oversample_start="replace": admitted, replacement queued
 
 
 class _Batch:
@@ -319,6 +325,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, shard: int = 0) -> None:
         self.config = config
         self.shard = shard
+        self._replacing = config.oversample_start == "replace"  # checked on every event
         self.epoch = -1
         self.served = 0  # version the engines serve now
         self.updates = 0  # trainer updates at the latest handover
@@ -378,7 +385,9 @@ class Scheduler:
         self._expire(out)
         self._backfill(out)
         self._maybe_emit(out)
-        self._backfill(out)  # emission may have queued stale resubmissions
+        if self._replacing:
+            self._replace_ahead()
+        self._backfill(out)  # emission may have queued stale resubmissions, or replacements
         return out
 
     # -------------------------------------------------------------- events
@@ -534,6 +543,8 @@ class Scheduler:
             self._abandon(group, cause, out)
         elif self.config.oversample_start == "straggler" and not group.backed_up:
             self._back_up(group)  # it can only complete with its extra samples now
+        elif self.config.oversample_start == "replace":
+            self._queue_spares(group)
 
     def _abandon(self, group: _Group, cause: str, out: list[Action]) -> None:
         self._cancel_group(group, "abandoned", out)
@@ -574,6 +585,11 @@ class Scheduler:
                 sample = samples[i]
                 out.append(Discard(self._key(group, sample), "stale"))
                 group.admitted.remove(i)
+                if i in group.replaced:
+                    group.replaced.discard(i)
+                    if not group.complete and self._can_complete(group):
+                        sample.state = _IDLE  # replaced: not run again, its slot a spare
+                        continue
                 self._resubmit_sample(group, sample, "stale", out)
             if stale and group.complete:
                 group.complete = False
@@ -681,9 +697,68 @@ class Scheduler:
 
     def _first_submitted(self) -> int:
         """Samples of a new group submitted with it."""
-        if self.config.oversample_start == "straggler":
+        if self.config.oversample_start != "group":
             return self.config.groups
         return self.config.group_size
+
+    def _replace_ahead(self) -> None:
+        """oversample_start="replace", while the trainer waits for a step that lacks at most
+        `replace_ahead` of its groups: every admitted member of a waiting group that the next
+        handover will make stale gets a replacement, queued for a credit like a resubmission
+        (the first `groups` of the group to finish are admitted, as with any oversample)."""
+        if self._pending is None:
+            return
+        target = self._admit_default
+        if target - len(self._complete) > self.config.replace_ahead * target:
+            return
+        aging = self.updates - self.config.max_lag  # this old: stale at the next handover
+        queued: set[int] | None = None
+        for group in self._groups.values():
+            if group.complete:
+                continue
+            for i in group.admitted:
+                if group.samples[i].oldest > aging or i in group.replaced:
+                    continue
+                if queued is None:
+                    queued = self._queued()
+                spare = self._spare(group, queued)
+                if spare is None:
+                    break
+                group.replaced.add(i)
+                self._queue(group, spare, queued)
+
+    def _queued(self) -> set[int]:
+        """The samples waiting for a credit (ids of the objects)."""
+        return {id(sample) for _, sample, _ in self._resubmit}
+
+    @staticmethod
+    def _spare(group: _Group, queued: set[int]) -> _Sample | None:
+        """A sample of `group` free to carry a replacement: an extra one never submitted, or
+        a replaced member's that went stale (idle and not waiting for a credit)."""
+        return next((s for s in group.samples if s.state == _IDLE and id(s) not in queued), None)
+
+    def _queue(self, group: _Group, sample: _Sample, queued: set[int]) -> None:
+        """Queue `sample`, an extra rollout of `group`, for a credit (a first attempt or a
+        spare's next one), counted with the step's backups."""
+        queued.add(id(sample))
+        self._resubmit.append((group, sample, None))
+        self._counts["backups"] += 1
+
+    def _can_complete(self, group: _Group) -> bool:
+        """Whether `group`'s admitted, running and queued samples make a whole group."""
+        queued = self._queued()
+        live = sum(s.state == _RUNNING or (s.state == _IDLE and id(s) in queued) for s in group.samples)
+        return len(group.admitted) + live >= self.config.groups
+
+    def _queue_spares(self, group: _Group) -> None:
+        """oversample_start="replace": queue spare samples of `group` until it can complete
+        (a sample that failed for good left it short)."""
+        queued = self._queued()
+        while not self._can_complete(group):
+            spare = self._spare(group, queued)
+            if spare is None:
+                return
+            self._queue(group, spare, queued)
 
     def _back_up_stragglers(self, groups: list[_Group]) -> None:
         """oversample_start="straggler", at a handover: a waiting group with no more than
@@ -979,8 +1054,11 @@ _SAMPLE_FIELDS = operator.attrgetter("index", "attempt", "failures", "state", "s
 def _dump_group(group: _Group, live: bool) -> list:
     data = [group.id, group.batch, _dump_task(group.task), list(map(_SAMPLE_FIELDS, group.samples)),
             list(group.admitted), group.complete, live]
-    if group.backed_up:  # additive: only oversample_start="straggler" backs a group up
-        data.append(True)
+    # additive: [7] oversample_start="straggler"'s flag, [8] "replace"'s replaced members
+    if group.backed_up or group.replaced:
+        data.append(group.backed_up)
+    if group.replaced:
+        data.append(sorted(group.replaced))
     return data
 
 
@@ -988,6 +1066,7 @@ def _load_group(data: list) -> tuple[_Group, bool]:
     gid, batch, task, samples, admitted, complete, live = data[:7]
     group = _Group(gid, batch, _load_task(task), len(samples))
     group.backed_up = len(data) > 7 and bool(data[7])
+    group.replaced = set(data[8]) if len(data) > 8 else set()
     for sample, (index, attempt, failures, state, version, oldest) in zip(group.samples, samples):
         sample.index, sample.attempt, sample.failures = index, attempt, failures
         sample.state, sample.submitted_version, sample.oldest = state, version, oldest

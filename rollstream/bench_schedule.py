@@ -486,7 +486,8 @@ def _report(scheduler: SchedulerConfig, workload: dict, trained: int, wall: floa
                    if len(step_times) > 1 else None),
         "config": {k: v for k, v in scheduler.model_dump().items()
                    if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill",
-                            "inflight_samples", "supply", "stale_running")}
+                            "inflight_samples", "supply", "stale_running", "oversample_start",
+                            "replace_ahead", "backup_limit")}
                   | {"registered_ahead": scheduler.registered_ahead},
     }
 

@@ -33,6 +33,11 @@ from rollstream.bench_schedule import capped_lognormal_mean, push_interval
 
 _LAND, _REPLACE, _AGE_OUT, _GIVE_UP = 0, 1, 2, 3
 
+WASTE = ("aged_out", "running_at_training", "given_up")
+"""Where a group's wasted slot-seconds go: results that aged out before the group trained,
+attempts still running when it trained (replacements started ahead, extras, stragglers),
+and stragglers given up."""
+
 
 @dataclass(frozen=True)
 class GroupPolicy:
@@ -56,7 +61,8 @@ class GroupPolicy:
 class _Group:
     """One group's run: attempts running (id -> start, length), results alive (id ->
     length) and those among them already replaced, the time of push 0 (the group starts at
-    0), and its busy slot-seconds and attempts so far."""
+    0), its busy slot-seconds and attempts so far, and its wasted slot-seconds by where they
+    went (`WASTE`)."""
 
     push_zero: float
     running: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -66,6 +72,7 @@ class _Group:
     busy: float = 0.0
     attempts: int = 0
     landed: bool = False
+    wasted: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WASTE, 0.0))
 
 
 def group_waste(workload: dict, lag: int, share: float, policy: GroupPolicy, pushes: bool = True,
@@ -73,8 +80,9 @@ def group_waste(workload: dict, lag: int, share: float, policy: GroupPolicy, pus
     """`policy`'s waste share (wasted over busy slot-seconds) over `groups` groups of
     `workload["groups"]` on `workload`'s sessions (log-normal: median `median_ms`, shape
     `sigma`, capped at `cap` medians) at `max_lag` `lag`, the trainer pushing at `share` of
-    the capacity bound; with the trained sessions' mean length over the workload's and the
-    attempts a group takes."""
+    the capacity bound; with that share split by where the wasted slot-seconds went
+    (`wasted_by`, each over the busy slot-seconds; see `WASTE`), the trained sessions' mean
+    length over the workload's and the attempts a group takes."""
     rng = random.Random(seed)
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
@@ -92,14 +100,18 @@ def group_waste(workload: dict, lag: int, share: float, policy: GroupPolicy, pus
     size = workload["groups"]
     busy = trained = 0.0
     attempts = 0
+    wasted = dict.fromkeys(WASTE, 0.0)
     for _ in range(groups):
         phase = rng.random() if policy.start_phase is None else policy.start_phase
         group = _Group(push_zero=-phase * push_s)
         trained += _run_group(group, size, policy, draw, ages_out)
         busy += group.busy
         attempts += group.attempts
+        for where in WASTE:
+            wasted[where] += group.wasted[where]
     return {"max_lag": lag, "share": share, "push_interval_s": round(push_s, 4),
             "pushes": pushes, "waste_share": round((busy - trained) / busy, 4),
+            "wasted_by": {where: round(w / busy, 4) for where, w in wasted.items()},
             "trained_length_vs_workload": round(trained / (groups * size) / mean, 4),
             "attempts_per_group": round(attempts / groups, 3)}
 
@@ -129,7 +141,9 @@ def _run_group(group: _Group, size: int, policy: GroupPolicy, draw, ages_out) ->
             group.alive[i] = length
             group.landed = True
             if len(group.alive) >= size:
-                group.busy += sum(now - start for start, _ in group.running.values())
+                still = sum(now - start for start, _ in group.running.values())
+                group.busy += still
+                group.wasted["running_at_training"] += still
                 return sum(group.alive.values())
             out = ages_out(group, now)
             heapq.heappush(events, (out, _AGE_OUT, i))
@@ -139,7 +153,7 @@ def _run_group(group: _Group, size: int, policy: GroupPolicy, draw, ages_out) ->
         elif kind == _REPLACE and i in group.alive:
             group.replaced.add(i)
         elif kind == _AGE_OUT:
-            group.alive.pop(i, None)
+            group.wasted["aged_out"] += group.alive.pop(i, 0.0)
             group.replaced.discard(i)
         elif kind == _GIVE_UP and i in group.alive:
             _give_up_old(group, now, policy.give_up_after_s)
@@ -150,6 +164,7 @@ def _give_up_old(group: _Group, now: float, older_than: float) -> None:
     for j, (start, _) in list(group.running.items()):
         if now - start > older_than:
             group.busy += now - start
+            group.wasted["given_up"] += now - start
             del group.running[j]
 
 

@@ -70,3 +70,18 @@ def test_a_lead_longer_than_a_result_lives_replaces_it_as_it_lands():
     at_half_a_second = group_waste(W, 1, SHARE, GroupPolicy(lead_s=0.5), True, groups=2000, seed=4)
     assert at_half_a_second["waste_share"] < long_lead["waste_share"] < 1.0
     assert long_lead["attempts_per_group"] > at_half_a_second["attempts_per_group"] + 2
+
+
+def test_the_waste_is_split_by_where_it_went():
+    def run(**policy):
+        return group_waste(W, 1, SHARE, GroupPolicy(**policy), True, groups=3000, seed=5)
+
+    for out in (run(), run(lead_s=0.75, start_phase=0.0), run(extra=1, give_up_after_s=3.0)):
+        assert abs(sum(out["wasted_by"].values()) - out["waste_share"]) < 2e-4
+    naive, ahead, extra = run(), run(lead_s=0.75, start_phase=0.0), run(extra=1, give_up_after_s=3.0)
+    # replacing only what ages out wastes only what aged out
+    assert naive["wasted_by"] == {"aged_out": naive["waste_share"], "running_at_training": 0.0,
+                                  "given_up": 0.0}
+    # a replacement started ahead turns most of it into replacements still running at training
+    assert ahead["wasted_by"]["running_at_training"] > 5 * ahead["wasted_by"]["aged_out"] > 0
+    assert extra["wasted_by"]["given_up"] > 0

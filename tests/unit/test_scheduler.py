@@ -644,6 +644,67 @@ def test_straggler_oversample_needs_stream_admission():
         SchedulerConfig(admission="batch", oversample=1, oversample_start="straggler")
 
 
+def _replacing(**config) -> Driver:
+    return _stream(**{"inflight_samples": 20, "admit": 2, "groups": 3, "oversample": 2,
+                      "max_lag": 1, "ahead": 1, "oversample_start": "replace",
+                      "replace_ahead": 0.5, "stale_running": "finish", **config})
+
+
+def test_replace_oversample_replaces_each_member_the_next_handover_makes_stale_as_the_step_nears():
+    d = _replacing()
+    d.register(0, n=3)
+    g0, g1, g2 = d.groups()
+    assert [len(d.running_of(g)) for g in (g0, g1, g2)] == [3, 3, 3]  # the extra two wait
+    d.handover(0, updates=1)
+    a, b, straggler = d.running_of(g0)
+    assert of(Submit, d.finish(a, oldest=0) + d.finish(b, oldest=0)) == []  # 2 groups missing
+    acts = d.finish_group(g1, oldest=1)  # the step lacks one group now: half of it
+    assert sorted((s.key.group, s.key.sample, s.key.attempt, s.cause) for s in of(Submit, acts)) == [
+        (g0, 3, 0, None), (g0, 4, 0, None)]  # one for each of a and b: stale at handover 1
+    restored = Scheduler.restore(d.sched.config, d.sched.snapshot())
+    assert restored.snapshot() == d.sched.snapshot()
+    d.sched = restored  # the rest runs on the restored machine
+    (emit,) = of(Emit, d.finish_group(g2, oldest=1))
+    assert emit.record.backups == 2
+    acts = d.handover(1, updates=2)
+    assert {x.key for x in of(Discard, acts)} == {a, b}
+    assert of(Submit, acts) == []  # replaced, and the group can complete: not run again
+    # the straggler and both replacements; nothing else is left to run, so step 1 goes out
+    (emit,) = of(Emit, d.finish_group(g0, oldest=2))
+    (trained,) = emit.groups
+    assert {k.sample for k in trained.samples} == {straggler.sample, 3, 4}
+    assert emit.record.resubmitted["stale"] == 0
+
+
+def test_a_replaced_member_runs_again_when_its_group_cannot_complete_without_it():
+    d = _replacing(groups=2, oversample=1, max_attempts=1)
+    d.register(0, n=3)
+    g0, g1, g2 = d.groups()
+    d.handover(0, updates=1)
+    a, _ = d.running_of(g0)
+    d.finish(a, oldest=0)
+    (replacement,) = of(Submit, d.finish_group(g1, oldest=1))
+    assert (replacement.key.group, replacement.key.sample) == (g0, 2)
+    d.finish(replacement.key, status=Status.INFRA_ERROR, reward=None)  # failed for good
+    d.finish_group(g2, oldest=1)  # step 0 emitted
+    acts = d.handover(1, updates=2)
+    assert Discard(a, "stale") in of(Discard, acts)
+    (again,) = of(Submit, acts)
+    assert again.cause == "stale" and (again.key.group, again.key.sample, again.key.attempt) == (g0, a.sample, 1)
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"admission": "batch", "oversample": 1}, "oversample_start"),
+    ({"oversample": 0}, "oversample"),
+    ({"replace_ahead": 0}, "replace_ahead"),
+    ({"replace_ahead": 1.5}, "replace_ahead"),
+])
+def test_replace_oversample_refuses_a_config_it_cannot_run(config, field):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{"admission": "stream", "groups": 2, "oversample": 1,
+                           "oversample_start": "replace", **config})
+
+
 def test_stream_emits_what_it_has_once_nothing_is_left_to_run():
     d = _stream(inflight_samples=2, admit=2, max_attempts=1)
     d.register(0, n=2)

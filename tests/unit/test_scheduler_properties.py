@@ -34,7 +34,9 @@ def configs(draw, admission=None):
     if admission == "stream":
         cfg["inflight_samples"] = (groups + oversample) * draw(st.integers(1, 4)) + draw(
             st.integers(0, groups + oversample - 1))
-        cfg["oversample_start"] = draw(st.sampled_from(["group", "straggler"]))
+        cfg["oversample_start"] = draw(st.sampled_from(["group", "straggler", "replace"][: 2 + (oversample > 0)]))
+        if cfg["oversample_start"] == "replace":
+            cfg["replace_ahead"] = draw(st.sampled_from([0.5, 1.0]))
         if cfg["oversample_start"] == "straggler":
             cfg["backup_limit"] = draw(st.sampled_from([None, max(1, oversample), oversample + 1]))
     cfg["stale_running"] = draw(st.sampled_from(["cancel", "finish"]))

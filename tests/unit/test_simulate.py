@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollstream.cli import main
 from pipeline.config import SchedulerConfig
@@ -44,3 +46,63 @@ def test_simulate_prints_one_record_per_step_and_a_summary(capsys):
 def test_simulate_refuses_a_bad_config_naming_the_field(capsys):
     assert main(["simulate", "--groups", "0", "--steps", "1"]) == 2
     assert "groups" in capsys.readouterr().err
+
+
+def test_replacements_run_stale_members_again_less_and_keep_the_bound():
+    """`oversample_start="replace"` against straggler backups on the bench's heavy-tailed
+    sessions at max_lag 2 (seed 0, one call as each session ends): members about to go stale
+    are replaced ahead instead of run again after, and every trained member is within the
+    bound."""
+    from rollstream.bench_schedule import simulate_policy, workload_for
+
+    def stream(inflight: int, **config) -> dict:
+        w = workload_for(False, median_ms=1000.0, steps=12, seed=0, ahead=2, max_lag=2,
+                         inflight=inflight, stream_config={"stale_running": "finish", **config})
+        return simulate_policy("stream", w)
+
+    replace = stream(256, oversample=4, oversample_start="replace", replace_ahead=0.55)
+    backups = stream(264, oversample=1, oversample_start="straggler", supply=2, backup_limit=24)
+    assert replace["resubmitted"]["stale"] * 3 < backups["resubmitted"]["stale"]
+    assert replace["slot_shares"]["superseded"] < 0.75 * backups["slot_shares"]["superseded"]
+    assert replace["lag_max"] <= 2 and replace["steps"] == 12
+
+
+def test_a_scheduler_restored_mid_run_goes_on_replacing_exactly_like_the_original():
+    from rollstream.simulate import Simulation
+
+    config = SchedulerConfig(admission="stream", groups=4, oversample=2, ahead=1, max_lag=1,
+                             batch_size=8, inflight_samples=48, oversample_start="replace",
+                             replace_ahead=0.5, stale_running="finish")
+    work = Workload(slots=48, batch_size=8, median_s=1.0, train_s=0.02, seed=5,
+                    status_mix={"completed": 1.0}, call_at_end=True)
+    original, restored = Simulation(config, work), Simulation(config, work)
+    a = [r.record for r in original.steps(20)]
+    b = []
+    for report in restored.steps(20):
+        b.append(report.record)
+        if report.step % 4 == 1:  # as an admission consumer restarted from its snapshot
+            restored.sched = type(restored.sched).restore(config, restored.sched.snapshot())
+    assert a == b and sum(r.backups for r in a) > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(groups=st.integers(2, 4), oversample=st.integers(1, 3), lag=st.integers(1, 2),
+       share=st.sampled_from([0.25, 0.5, 1.0]), seed=st.integers(0, 2**16))
+def test_replacing_runs_keep_the_bound_whole_groups_and_the_in_flight_target(groups, oversample, lag,
+                                                                           share, seed):
+    from rollstream.simulate import Simulation
+
+    config = SchedulerConfig(admission="stream", groups=groups, oversample=oversample, ahead=1,
+                             max_lag=lag, batch_size=6, inflight_samples=36,
+                             oversample_start="replace", replace_ahead=share, stale_running="finish")
+    work = Workload(slots=36, batch_size=6, median_s=1.0, train_s=0.02, seed=seed,
+                    status_mix={"completed": 0.9, "infra_error": 0.1}, call_at_end=True)
+    sim = Simulation(config, work)
+    for report in sim.steps(10):
+        assert report.record.lag <= lag
+        sched = sim.sched
+        assert sched.in_flight + sched.credits == sched.target
+    per_group: dict[int, set[int]] = {}
+    for group, sample, _ in sim.trained:
+        per_group.setdefault(group, set()).add(sample)
+    assert all(len(samples) == groups for samples in per_group.values())

@@ -693,14 +693,14 @@ def test_a_replaced_member_runs_again_when_its_group_cannot_complete_without_it(
     assert again.cause == "stale" and (again.key.group, again.key.sample, again.key.attempt) == (g0, a.sample, 1)
 
 
-@pytest.mark.parametrize("config, field", [
-    ({"admission": "batch", "oversample": 1}, "oversample_start"),
-    ({"oversample": 0}, "oversample"),
+@pytest.mark.parametrize("config, says", [
+    ({"admission": "batch", "oversample": 1}, "oversample_start='replace' needs admission='stream'"),
+    ({"oversample": 0}, "needs oversample >= 1"),
     ({"replace_ahead": 0}, "replace_ahead"),
     ({"replace_ahead": 1.5}, "replace_ahead"),
 ])
-def test_replace_oversample_refuses_a_config_it_cannot_run(config, field):
-    with pytest.raises(ValueError, match=field):
+def test_replace_oversample_refuses_a_config_it_cannot_run(config, says):
+    with pytest.raises(ValueError, match=says):
         SchedulerConfig(**{"admission": "stream", "groups": 2, "oversample": 1,
                            "oversample_start": "replace", **config})
 

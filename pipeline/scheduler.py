@@ -587,7 +587,7 @@ class Scheduler:
                 group.admitted.remove(i)
                 if i in group.replaced:
                     group.replaced.discard(i)
-                    if not group.complete and self._can_complete(group):
+                    if not group.complete and self._can_complete(group, self._queued()):
                         sample.state = _IDLE  # replaced: not run again, its slot a spare
                         continue
                 self._resubmit_sample(group, sample, "stale", out)
@@ -744,9 +744,9 @@ class Scheduler:
         self._resubmit.append((group, sample, None))
         self._counts["backups"] += 1
 
-    def _can_complete(self, group: _Group) -> bool:
-        """Whether `group`'s admitted, running and queued samples make a whole group."""
-        queued = self._queued()
+    def _can_complete(self, group: _Group, queued: set[int]) -> bool:
+        """Whether `group`'s admitted, running and queued (`queued`, from `_queued`) samples
+        make a whole group."""
         live = sum(s.state == _RUNNING or (s.state == _IDLE and id(s) in queued) for s in group.samples)
         return len(group.admitted) + live >= self.config.groups
 
@@ -754,7 +754,7 @@ class Scheduler:
         """oversample_start="replace": queue spare samples of `group` until it can complete
         (a sample that failed for good left it short)."""
         queued = self._queued()
-        while not self._can_complete(group):
+        while not self._can_complete(group, queued):
             spare = self._spare(group, queued)
             if spare is None:
                 return

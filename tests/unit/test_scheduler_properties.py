@@ -15,10 +15,13 @@ EXAMPLES = int(os.environ.get("ROLLSTREAM_PROPERTY_EXAMPLES", "150"))  # raise f
 
 
 @st.composite
-def configs(draw, admission=None):
-    admission = admission or draw(st.sampled_from(["batch", "stream"]))
-    groups = draw(st.integers(1, 3))
-    oversample = draw(st.integers(0, 2))
+def configs(draw, admission=None, replacing=False):
+    """A random scheduler config; `replacing`: a stream config with `oversample_start`
+    "replace" that `Run.replace_first` can open with (two or more samples a group, an extra
+    one, `replace_ahead` 1)."""
+    admission = "stream" if replacing else admission or draw(st.sampled_from(["batch", "stream"]))
+    groups = draw(st.integers(1 + replacing, 3))
+    oversample = draw(st.integers(int(replacing), 2))
     ahead = draw(st.integers(0, 2))
     sync_every = draw(st.integers(1, 2))
     batch = draw(st.integers(1, 3))
@@ -34,9 +37,10 @@ def configs(draw, admission=None):
     if admission == "stream":
         cfg["inflight_samples"] = (groups + oversample) * draw(st.integers(1, 4)) + draw(
             st.integers(0, groups + oversample - 1))
-        cfg["oversample_start"] = draw(st.sampled_from(["group", "straggler", "replace"][: 2 + (oversample > 0)]))
+        cfg["oversample_start"] = "replace" if replacing else draw(
+            st.sampled_from(["group", "straggler", "replace"][: 2 + (oversample > 0)]))
         if cfg["oversample_start"] == "replace":
-            cfg["replace_ahead"] = draw(st.sampled_from([0.5, 1.0]))
+            cfg["replace_ahead"] = 1.0 if replacing else draw(st.sampled_from([0.5, 1.0]))
         if cfg["oversample_start"] == "straggler":
             cfg["backup_limit"] = draw(st.sampled_from([None, max(1, oversample), oversample + 1]))
     cfg["stale_running"] = draw(st.sampled_from(["cancel", "finish"]))
@@ -81,6 +85,19 @@ class Run:
             op = "tick"  # rare
         getattr(self, "op_" + op)()
         self.check()
+
+    def replace_first(self) -> None:
+        """The opening of a `configs(replacing=True)` run: the first running sample finishes
+        at version 0 and the trainer, called for step 0 after `max_lag` updates, waits for
+        its groups; the next handover would make that admitted member stale, so it gets a
+        replacement (the random events after this one start from a replaced member)."""
+        self.op_register()
+        key = self.d.running()[0]
+        self.d.finish(key, oldest=0)
+        self.oldest[key] = 0
+        self.d.handover(0, updates=self.cfg["max_lag"])
+        self.check()
+        assert [k for g in self.d.sched._groups.values() for k in g.replaced] == [key.sample]
 
     # ops -----------------------------------------------------------------
     def op_register(self):
@@ -167,6 +184,21 @@ def test_invariants_hold_over_random_event_sequences(cfg, data):
         run.step()
     acts = run.d.close()
     # every submitted sample ends exactly once (the driver refuses a second end)
+    assert set(run.d.submitted) == set(run.d.ended)
+    assert run.d.sched.in_flight == 0 and all(isinstance(a, Cancel) for a in acts)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(replacing=True), data=st.data())
+def test_invariants_hold_over_random_event_sequences_after_a_replacement(cfg, data):
+    """Random events seldom make a replacement (a member aging while the trainer waits), so
+    these runs open with one: whatever follows (the replaced member going stale, the
+    replacement failing, timeouts, reopened epochs), the invariants hold."""
+    run = Run(cfg, data)
+    run.replace_first()
+    for _ in range(data.draw(st.integers(10, 80))):
+        run.step()
+    acts = run.d.close()
     assert set(run.d.submitted) == set(run.d.ended)
     assert run.d.sched.in_flight == 0 and all(isinstance(a, Cancel) for a in acts)
 

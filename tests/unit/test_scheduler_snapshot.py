@@ -32,7 +32,18 @@ def _roundtrip(snapshot: dict) -> dict:
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), data=st.data())
 def test_a_restored_scheduler_continues_exactly_like_the_original(cfg, data):
+    _restores_exactly(Run(cfg, data), cfg, data)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(replacing=True), data=st.data())
+def test_a_restored_scheduler_continues_exactly_like_the_original_after_a_replacement(cfg, data):
     run = Run(cfg, data)
+    run.replace_first()
+    _restores_exactly(run, cfg, data)
+
+
+def _restores_exactly(run: Run, cfg: dict, data) -> None:
     for _ in range(data.draw(st.integers(0, 40))):
         run.step()
     restored = Scheduler.restore(SchedulerConfig(**cfg), _roundtrip(run.d.sched.snapshot()))

@@ -61,7 +61,7 @@ WINDOW = 10  # steps of the running mean and of the final reward
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rollstream bench learn", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="rollstream bench learn", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the JSON summary only")
     p.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
     p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")

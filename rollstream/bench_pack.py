@@ -124,7 +124,7 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the benchmark; `--json` prints the JSON document only."""
-    parser = argparse.ArgumentParser(prog="rollstream bench pack", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="rollstream bench pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rollouts", type=int, default=1000)
     parser.add_argument("--width", type=int, default=4096)

@@ -389,7 +389,7 @@ def passed(report: dict[str, Any]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollstream chaos", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="rollstream chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the report as JSON only")
     p.add_argument("--minutes", type=float, default=2.0,
                    help="how long the run trains under faults (default 2)")

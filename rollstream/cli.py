@@ -4,6 +4,8 @@ function of the module that owns the role."""
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import logging
 import os
@@ -300,6 +302,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+OWN_PARSERS = {("demo",): "rollstream.demo", ("bench", "learn"): "rollstream.bench_learn",
+               ("chaos",): "rollstream.chaos"}
+"""Commands handed whole to a module's own `main(argv)`, by their leading words."""
+
+
+def _leading_level(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The `--log-level` given before the command (None: not given), and the rest."""
+    if argv[:1] == ["--log-level"] and len(argv) > 1:
+        return argv[1], argv[2:]
+    if argv[:1] and argv[0].startswith("--log-level="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    return None, argv
+
+
+def _set_level(given: str) -> str:
+    """Configures logging at `given` (any case); its name, or a usage error (exit 2)."""
+    level = given.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        parser().error(f"--log-level {given}: not a logging level (DEBUG, INFO, WARNING, ERROR)")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return level
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Its configuration, credential, connection, import, bind and model
     errors end in one line naming what to fix and exit code 2 (what was given cannot run)
@@ -309,23 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     # under `python -m`; searched last, so it never shadows an installed package
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
-    if argv[:1] == ["demo"]:  # the demo parses its own options (rollstream demo --help)
-        from rollstream import demo
-
-        return guarded("rollstream demo", lambda: demo.main(argv[1:]))
-    if argv[:2] == ["bench", "learn"]:  # so does the learning benchmark
-        from rollstream import bench_learn
-
-        return guarded("rollstream bench learn", lambda: bench_learn.main(argv[2:]))
-    if argv[:1] == ["chaos"]:  # so does the chaos run (rollstream chaos --help)
-        from rollstream import chaos
-
-        return guarded("rollstream chaos", lambda: chaos.main(argv[1:]))
+    level, rest = _leading_level(argv)
+    for words, module in OWN_PARSERS.items():  # these parse their own options (CMD --help)
+        if tuple(rest[:len(words)]) == words:
+            debug = level is not None and _set_level(level) == "DEBUG"
+            run = functools.partial(importlib.import_module(module).main, rest[len(words):])
+            return guarded("rollstream " + " ".join(words), run, debug=debug)
     args = parser().parse_args(argv)
-    level = args.log_level.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        parser().error(f"--log-level {args.log_level}: not a logging level (DEBUG, INFO, WARNING, ERROR)")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = _set_level(args.log_level)
     return guarded(f"rollstream {args.command}", lambda: args.run(args), debug=level == "DEBUG",
                    config=getattr(args, "config", None) or getattr(args, "redis_config", None))
 

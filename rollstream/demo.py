@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rollstream demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="rollstream demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--out", default="rollstream-demo", help="folder for metrics.jsonl and report.png")
     p.add_argument("--redis", default=None, help="a Redis URL instead of the embedded Redis")
@@ -203,7 +203,6 @@ def run(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | Non
                           max_new_tokens=args.max_new_tokens, seed=args.seed,
                           delay_median_s=args.delay_median_s, delay_sigma=args.delay_sigma)
     objective = GRPOObjective(temperature=args.temperature)
-    engine = build_engine(config)
     chain = 5 + args.max_new_tokens  # <bos>c:3= and the completion
     width = 64
     rows = math.ceil(args.batch_size * args.groups / (width // chain))
@@ -213,6 +212,7 @@ def run(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | Non
     lines: list[dict[str, Any]] = []
 
     with _pipeline(args, objective, source, publisher, width, rows, env.tasks) as sched:
+        engine = build_engine(config)  # once Redis answers: a wrong --redis fails at once
         publisher.inner = RedisPublisher(sched.r, sched.keys)
         weights_redis = connect(sched.redis_config)
         source.weights = WeightsLoader(RedisWeights(weights_redis, sched.keys))

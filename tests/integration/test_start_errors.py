@@ -173,6 +173,31 @@ def test_log_level_debug_adds_the_traceback(tmp_path):
     assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip()
 
 
+def test_log_level_before_a_command_that_parses_its_own_options(tmp_path):
+    """`demo`, `chaos` and `bench learn` parse their own options: a `--log-level` before
+    them still sets the level (DEBUG adds the traceback), and a bad one is refused."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+
+    def demo(*before: str) -> subprocess.CompletedProcess:
+        return subprocess.run([ROLLSTREAM, *before, "demo", "--redis", url, "--steps", "1"], cwd=tmp_path,
+                              env=_env(None), capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(3) as pool:
+        quiet, loud, equals = pool.map(lambda before: demo(*before),
+                                       [(), ("--log-level", "DEBUG"), ("--log-level=debug",)])
+    assert quiet.returncode == loud.returncode == equals.returncode == 1, loud.stderr
+    assert len(quiet.stderr.strip().splitlines()) == 1 and "Traceback" not in quiet.stderr
+    for run in (loud, equals):
+        assert "Traceback (most recent call last)" in run.stderr and "RedisUnreachable" in run.stderr
+        assert run.stderr.strip().splitlines()[-1] == quiet.stderr.strip()
+    helped = subprocess.run([ROLLSTREAM, "--log-level", "INFO", "bench", "learn", "--help"], cwd=tmp_path,
+                            env=_env(None), capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: rollstream bench learn")
+    bad = subprocess.run([ROLLSTREAM, "--log-level", "LOUD", "chaos"], cwd=tmp_path, env=_env(None),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--log-level LOUD: not a logging level" in bad.stderr
+
+
 def test_simulate_json_into_head_ends_quietly(tmp_path):
     done = subprocess.run(["bash", "-o", "pipefail", "-c", f"{ROLLSTREAM} simulate --json --steps 500 | head -2"],
                           cwd=tmp_path, env=_env(None), capture_output=True, text=True, timeout=60)

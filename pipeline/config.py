@@ -72,6 +72,12 @@ class SchedulerConfig(_Model):
         "queued or running at once (groups whose members are oldest are backed up first); "
         "None: no limit. A group that can only complete with its extra rollouts (a failure "
         "used up a sample's attempts) is backed up whatever the limit")
+    group_start: Literal["any", "handover"] = Field(
+        "any", description="stream mode: new groups start whenever credits allow (any), or "
+        "only as the trainer hands over a step, its weights just pushed (handover: with a "
+        "rollout's staleness counted from its end, a group started then keeps its first results "
+        "longest); between handovers freed credits wait, except for resubmissions, backups and "
+        "replacements, and except while the groups not yet trained cannot fill a step")
     supply: int | None = Field(
         None, ge=1, description="stream mode: task batches registered beyond the step being "
         "trained, the window new groups are drawn from; None: three in-flight targets' worth "
@@ -119,6 +125,8 @@ class SchedulerConfig(_Model):
             raise ValueError(f"admit={self.admit} exceeds batch_size={self.batch_size}")
         if self.oversample_start != "group" and self.admission != "stream":
             raise ValueError(f"oversample_start={self.oversample_start!r} needs admission='stream'")
+        if self.group_start != "any" and self.admission != "stream":
+            raise ValueError(f"group_start={self.group_start!r} needs admission='stream'")
         if self.oversample_start == "replace" and self.oversample < 1:
             raise ValueError("oversample_start='replace' needs oversample >= 1: a group's first "
                              "replacement is one of its extra rollouts")

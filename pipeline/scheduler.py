@@ -33,6 +33,10 @@ member that the next handover will make stale, queued while the trainer waits fo
 that lacks at most `replace_ahead` of its groups (the replaced member is then not run again
 while its group can still complete, and its slot can carry the next replacement).
 `stale_running="finish"` leaves a running sample submitted past the bound to its result.
+With `group_start="handover"` new groups start only while a Handover is handled (the
+trainer's weights just pushed) or while the groups not yet trained cannot fill a step; a
+credit freed between handovers that no resubmission, backup or replacement takes waits for
+the next one (the conservation above still holds).
 
 Stream mode with `backfill="group"` (additive; the legacy group-gated baseline that sample
 backfill replaces): the credit of an ended sample is held by its group until every sample of
@@ -326,6 +330,8 @@ class Scheduler:
         self.config = config
         self.shard = shard
         self._replacing = config.oversample_start == "replace"  # checked on every event
+        self._starts_anytime = config.group_start == "any"  # checked on every backfill
+        self._handing_over = False  # the event in hand is a Handover (group_start="handover")
         self.epoch = -1
         self.served = 0  # version the engines serve now
         self.updates = 0  # trainer updates at the latest handover
@@ -367,6 +373,7 @@ class Scheduler:
         """Apply one event at time `now`; return the actions to carry out, in order."""
         out: list[Action] = []
         self._now = now
+        self._handing_over = isinstance(event, Handover)  # group_start="handover"
         if isinstance(event, Finish):
             self._on_finish(event, out)
         elif isinstance(event, Register):
@@ -688,12 +695,19 @@ class Scheduler:
         # oversample_start="straggler": a new group takes only its `groups` samples' credits;
         # each extra sample takes one when it is queued as a backup
         size = self._first_submitted()
-        while self._tasks and self.credits >= size and self._broken is None:
+        while self._tasks and self.credits >= size and self._broken is None and (
+                self._starts_anytime or self._may_start_group()):
             batch, task = self._tasks.popleft()
             group = self._new_group(batch, task)
             self.credits -= size
             for sample in group.samples[:size]:
                 self._submit(group, sample, None, out)
+
+    def _may_start_group(self) -> bool:
+        """group_start="handover": a new group starts only while the trainer hands over a
+        step (its weights just pushed), or while the groups not yet trained cannot fill a
+        step (so a step never waits on groups that only the next handover would start)."""
+        return self._handing_over or len(self._groups) < max(1, self._admit_default)
 
     def _first_submitted(self) -> int:
         """Samples of a new group submitted with it."""

@@ -487,7 +487,7 @@ def _report(scheduler: SchedulerConfig, workload: dict, trained: int, wall: floa
         "config": {k: v for k, v in scheduler.model_dump().items()
                    if k in ("admission", "ahead", "oversample", "admit", "max_lag", "backfill",
                             "inflight_samples", "supply", "stale_running", "oversample_start",
-                            "replace_ahead", "backup_limit")}
+                            "replace_ahead", "backup_limit", "group_start")}
                   | {"registered_ahead": scheduler.registered_ahead},
     }
 

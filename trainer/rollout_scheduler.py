@@ -124,6 +124,7 @@ class RolloutScheduler:
         oversample_start: str = "group",
         replace_ahead: float = 0.5,
         backup_limit: int | None = None,
+        group_start: str = "any",
         supply: int | None = None,
         stale_running: str = "cancel",
         redis: str | RedisConfig | None = None,
@@ -143,8 +144,8 @@ class RolloutScheduler:
             estimator=estimator, truncation=truncation, support_capacity=support_capacity,
             admission=admission, width=width, rows=rows, batch_size=batch_size,
             inflight_samples=inflight_samples, backfill=backfill, oversample_start=oversample_start,
-            replace_ahead=replace_ahead, backup_limit=backup_limit, supply=supply,
-            stale_running=stale_running))
+            replace_ahead=replace_ahead, backup_limit=backup_limit, group_start=group_start,
+            supply=supply, stale_running=stale_running))
         if redis is not None and source is not None:
             logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
         if redis is None and source is None:

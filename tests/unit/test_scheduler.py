@@ -705,6 +705,34 @@ def test_replace_oversample_refuses_a_config_it_cannot_run(config, says):
                            "oversample_start": "replace", **config})
 
 
+def _started(acts) -> list[int]:
+    """The groups whose first attempts `acts` submit, in order."""
+    return sorted({s.key.group for s in of(Submit, acts) if s.key.attempt == 0 and s.cause is None})
+
+
+def test_handover_group_start_starts_new_groups_only_as_the_trainer_hands_over():
+    d = _stream(inflight_samples=8, admit=2, group_start="handover", max_attempts=1)
+    assert len(_started(d.register(0, n=8))) == 2  # before any handover: enough for a step
+    assert d.sched.credits == 4
+    assert len(_started(d.handover(0))) == 2  # the rest of the target, at the handover
+    g0, g1, g2, g3 = d.groups()
+    assert _started(d.finish_group(g0)) == []  # its credits wait for the next handover
+    (emit,) = of(Emit, acts := d.finish_group(g1))
+    assert [x.group for x in emit.groups] == [g0, g1] and _started(acts) == []
+    assert d.sched.credits == 4 and len(d.running()) == 4
+    new = _started(d.handover(1))
+    assert len(new) == 2 and min(new) > g3 and d.sched.credits == 0
+    # groups lost between handovers: once those left cannot make a step, one starts at once
+    lost = [d.finish(d.running_of(g)[0], status=Status.INFRA_ERROR, reward=None) for g in (g3, *new)]
+    assert [len(_started(acts)) for acts in lost] == [0, 0, 1]
+    assert len(d.sched._groups) == 2 == len(d.running()) // 2
+
+
+def test_handover_group_start_needs_stream_admission():
+    with pytest.raises(ValueError, match="group_start='handover' needs admission='stream'"):
+        SchedulerConfig(admission="batch", group_start="handover")
+
+
 def test_stream_emits_what_it_has_once_nothing_is_left_to_run():
     d = _stream(inflight_samples=2, admit=2, max_attempts=1)
     d.register(0, n=2)

@@ -41,6 +41,7 @@ def configs(draw, admission=None, replacing=False):
             st.sampled_from(["group", "straggler", "replace"][: 2 + (oversample > 0)]))
         if cfg["oversample_start"] == "replace":
             cfg["replace_ahead"] = 1.0 if replacing else draw(st.sampled_from([0.5, 1.0]))
+        cfg["group_start"] = draw(st.sampled_from(["any", "handover"]))
         if cfg["oversample_start"] == "straggler":
             cfg["backup_limit"] = draw(st.sampled_from([None, max(1, oversample), oversample + 1]))
     cfg["stale_running"] = draw(st.sampled_from(["cancel", "finish"]))
@@ -172,8 +173,9 @@ class Run:
         assert sched.in_flight == len(d.running())
         if cfg["admission"] == "stream" and sched.target:
             assert sched.in_flight + sched.credits == sched.target, "credits drifted"
-            if sched._tasks and not sched._broken:
-                assert sched.credits < cfg["groups"] + cfg["oversample"]
+            starts = cfg["group_start"] == "any" or len(sched._groups) < max(1, sched._admit_default)
+            if sched._tasks and not sched._broken and starts:  # group_start="handover": between
+                assert sched.credits < cfg["groups"] + cfg["oversample"]  # handovers, credits wait
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -216,7 +218,7 @@ def test_backfill_conserves_in_flight_samples_exactly(cfg, outcomes, seed):
     d.open()
     batch = 0
     size = cfg["groups"] + cfg["oversample"]
-    while d.sched.target == 0 or d.sched.credits >= size:
+    while d.sched.target == 0 or (d.sched.credits >= size and cfg["group_start"] == "any"):
         d.register(batch, n=cfg["batch_size"])
         batch += 1
     target = d.sched.target
@@ -224,7 +226,11 @@ def test_backfill_conserves_in_flight_samples_exactly(cfg, outcomes, seed):
         if len(d.sched._tasks) < 4 * target:
             d.register(batch, n=cfg["batch_size"])
             batch += 1
+        if not d.running():  # "handover": the open groups make a step; the trainer's turn
+            assert cfg["group_start"] == "handover" and len(d.sched._groups) >= d.sched._admit_default
+            break
         d.finish(rng.choice(d.running()), status=status, reward=rng.choice([None, 1.0]))
         assert d.sched.in_flight + d.sched.credits == target, "in-flight samples drifted"
-        assert d.sched.credits < size, "credits left idle"
+        if cfg["group_start"] == "any":  # "handover": new groups wait for the trainer's
+            assert d.sched.credits < size, "credits left idle"
         assert len(d.running()) == d.sched.in_flight

@@ -67,6 +67,28 @@ def test_replacements_run_stale_members_again_less_and_keep_the_bound():
     assert replace["lag_max"] <= 2 and replace["steps"] == 12
 
 
+def test_groups_started_as_the_trainer_hands_over_go_stale_less_at_max_lag_1():
+    """`group_start="handover"` on the bench's heavy-tailed sessions at max_lag 1 (seed 0, one
+    call as each session ends): a group started as the weights are pushed lands its first
+    results early in a push interval, so fewer members age out and run again, and less is
+    wasted, against the same rule starting groups whenever credits allow; slots idle while
+    credits wait for a handover, and every trained member is within the bound."""
+    from rollstream.bench_schedule import simulate_policy, workload_for
+
+    def stream(inflight: int, **config) -> dict:
+        w = workload_for(False, median_ms=1000.0, steps=12, seed=0, ahead=1, max_lag=1, inflight=inflight,
+                         stream_config={"stale_running": "finish", "oversample": 4,
+                                        "oversample_start": "replace", "replace_ahead": 0.55, **config})
+        return simulate_policy("stream", w)
+
+    anytime, handover = stream(256), stream(384, group_start="handover")
+    assert handover["resubmitted"]["stale"] * 2 < anytime["resubmitted"]["stale"]
+    assert handover["waste_share"] < 0.9 * anytime["waste_share"]
+    assert handover["capacity_share"] > 0.9 * anytime["capacity_share"]
+    assert handover["slot_shares"]["idle"] > 0.2 > anytime["slot_shares"]["idle"]
+    assert handover["lag_max"] <= 1 and handover["steps"] == 12
+
+
 def test_a_scheduler_restored_mid_run_goes_on_replacing_exactly_like_the_original():
     from rollstream.simulate import Simulation
 

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | Non
     lines: list[dict[str, Any]] = []
 
     with _pipeline(args, objective, source, publisher, width, rows, env.tasks) as sched:
-        engine = build_engine(config)  # once Redis answers: a wrong --redis fails at once
+        engine = build_engine(config)  # after Redis answered: a wrong --redis fails before it
         publisher.inner = RedisPublisher(sched.r, sched.keys)
         weights_redis = connect(sched.redis_config)
         source.weights = WeightsLoader(RedisWeights(weights_redis, sched.keys))

@@ -596,6 +596,7 @@ class Scheduler:
                     group.replaced.discard(i)
                     if not group.complete and self._can_complete(group, self._queued()):
                         sample.state = _IDLE  # replaced: not run again, its slot a spare
+                        sample.failures = 0  # for the new sample the slot may carry
                         continue
                 self._resubmit_sample(group, sample, "stale", out)
             if stale and group.complete:

@@ -693,6 +693,28 @@ def test_a_replaced_member_runs_again_when_its_group_cannot_complete_without_it(
     assert again.cause == "stale" and (again.key.group, again.key.sample, again.key.attempt) == (g0, a.sample, 1)
 
 
+def test_a_spare_slot_carries_a_new_sample_with_its_own_failure_count():
+    d = _replacing(max_attempts=2)
+    d.register(0, n=3)
+    g0, g1, g2 = d.groups()
+    d.handover(0, updates=1)
+    a, b, straggler = d.running_of(g0)
+    (again,) = of(Submit, d.finish(a, status=Status.INFRA_ERROR, reward=None))  # a's 1st failure
+    d.finish(again.key, oldest=0)
+    d.finish(b, oldest=0)
+    d.finish_group(g1, oldest=1)  # a and b get replacements 3 and 4
+    d.finish_group(g2, oldest=1)  # step 0 out
+    d.handover(1, updates=2)  # a and b stale: replaced, so their slots are spares
+    (three,) = [k for k in d.running_of(g0) if k.sample == 3]
+    (three_again,) = of(Submit, d.finish(three, status=Status.INFRA_ERROR, reward=None))
+    (spare,) = of(Submit, d.finish(three_again.key, status=Status.INFRA_ERROR, reward=None))
+    assert (spare.key.sample, spare.cause) == (a.sample, None)  # 3 failed for good: a's slot
+    (resubmitted,) = of(Submit, d.finish(spare.key, status=Status.INFRA_ERROR, reward=None))
+    # the spare's first failure, not a's second: run again in a's slot, not given up
+    assert (resubmitted.key.sample, resubmitted.cause) == (a.sample, "infra_error")
+    assert {k.sample for k in d.running_of(g0)} == {straggler.sample, 4, a.sample}
+
+
 @pytest.mark.parametrize("config, says", [
     ({"admission": "batch", "oversample": 1}, "oversample_start='replace' needs admission='stream'"),
     ({"oversample": 0}, "needs oversample >= 1"),

@@ -760,6 +760,7 @@ class Admission:
             self.stats["emitted"] += 1
             txn.observe.append(lambda m: m.observe_record(ready_record.scheduler_record(), shard=self.shard,
                                                           **ready_record.extra))
+            txn.observe.append(lambda m: m.observe_trained(self.shard, _trained_seconds(groups, packed)))
         self._unhold(txn, keys, names)
         # and the held results of every group the machine no longer tracks
         self._drop_epochs(txn, keep=self.sched.epoch)
@@ -1016,6 +1017,14 @@ def _up_to(read: list[_Read], cutoff: tuple[int, int] | None) -> tuple[list[_Rea
         return read, []
     n = bisect_right(read, cutoff, key=_ID)
     return read[:n], read[n:]
+
+
+def _trained_seconds(groups: Sequence[Group], packed: PackedBatch) -> list[float | None]:
+    """The slot seconds of each rollout of `groups` that `packed` trains (packed, and not
+    masked out of the loss)."""
+    rollouts = {(g.group, r.sample): r for g in groups for r in g.rollouts}
+    return [_duration(rollouts[(group, sample)].timings) for group, sample, trained in zip(
+        packed.rollout_group.tolist(), packed.rollout_sample.tolist(), packed.rollout_trained.tolist()) if trained]
 
 
 def _duration(timings: Mapping[str, float]) -> float | None:

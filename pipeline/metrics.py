@@ -252,8 +252,15 @@ class Metrics:
             "minus the weight version of the oldest admitted call (the step's worst case).",
             ("shard",), LAG_BUCKETS)
         self.session_duration = BatchHistogram(  # one observation per result: in batches
-            PREFIX + "session_duration_seconds", "Submission-to-finish seconds of each rollout "
-            "session, whatever its status.", ("shard",), SESSION_BUCKETS, r)
+            PREFIX + "session_duration_seconds", "Seconds each rollout session held a "
+            "consumer's slot (its start there to its end; a cancelled one's to its cancel), by "
+            "session status: the _sum of every status is the busy slot-seconds.",
+            ("shard", "status"), SESSION_BUCKETS, r)
+        self.trained_session = BatchHistogram(
+            PREFIX + "trained_session_seconds", "Slot seconds (as in session_duration_seconds) "
+            "of each rollout a step trained (its group packed into the step's rows): against "
+            "session_duration_seconds, the waste share and the trained sessions' length bias.",
+            ("shard",), SESSION_BUCKETS, r)
         self.step_metric = gauge(
             "step_metric", "Every finite value of the latest SchedulerRecord.metrics, by key "
             "(merge_ratio, non_pad_share, latency_s_p90, token_lag_mean, ...).",
@@ -401,9 +408,16 @@ class Metrics:
         """Results read (`observe_finished` of each, counted together): their statuses, and
         their sessions' durations where known."""
         s = str(shard)
-        for status, n in Counts(statuses).items():
-            self._child(self.samples_finished, s, status.value if isinstance(status, Status) else status).inc(n)
-        self.session_duration.observe_many((s,), durations)
+        by_status: dict[str, list[float | None]] = {}
+        for status, duration in zip(statuses, durations, strict=True):
+            by_status.setdefault(status.value if isinstance(status, Status) else status, []).append(duration)
+        for name, of_status in by_status.items():
+            self._child(self.samples_finished, s, name).inc(len(of_status))
+            self.session_duration.observe_many((s, name), of_status)
+
+    def observe_trained(self, shard: int, durations: Iterable[float | None]) -> None:
+        """The slot seconds of the rollouts one step trained (None where unknown)."""
+        self.trained_session.observe_many((str(shard),), durations)
 
     def start_shard(self, shard: int) -> None:
         """Make the counters a shard may leave at zero for a long time exist at 0 (a series

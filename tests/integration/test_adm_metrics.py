@@ -26,9 +26,12 @@ def test_a_step_s_events_results_and_actions_are_each_counted_once(r, keys, redi
               for kind in ("open", "register", "handover", "finish", "publish")}
     assert events == {"open": 1, "register": 1, "handover": 1, "finish": 8, "publish": None}
     assert get("rollstream_samples_finished_total", {**s, "status": "completed"}) == 8
-    assert get("rollstream_session_duration_seconds_count", s) == 8
-    assert get("rollstream_session_duration_seconds_sum", s) == 8.0
-    assert get("rollstream_session_duration_seconds_bucket", {**s, "le": "1.0"}) == 8
+    done = {**s, "status": "completed"}
+    assert get("rollstream_session_duration_seconds_count", done) == 8
+    assert get("rollstream_session_duration_seconds_sum", done) == 8.0
+    assert get("rollstream_session_duration_seconds_bucket", {**done, "le": "1.0"}) == 8
+    assert get("rollstream_trained_session_seconds_count", s) == 8  # both groups packed
+    assert get("rollstream_trained_session_seconds_sum", s) == 8.0
     assert get("rollstream_samples_submitted_total", s) == 8
     assert get("rollstream_groups_admitted_total", s) == 2
     assert get("rollstream_samples_in_flight", s) == adm.sched.in_flight == 0

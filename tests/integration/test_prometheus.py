@@ -131,6 +131,12 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
 
             empty = [t for panel in panels() for t, _ in panel.targets if not prom.query(promql(t))]
             assert empty == []
+            # the frontier's numbers are numbers: 30% infra errors and surplus oversamples waste
+            frontier = {p.title: float(prom.query(promql(p.targets[0][0]))[0]["value"][1])
+                        for p in panels() if p.row == "Frontier"}
+            assert 0.05 < frontier["Waste share of slot-seconds"] < 1
+            assert 0 < frontier["Share of the slots' capacity trained"] < 2
+            assert 0 < frontier["Trained length over all sessions"] < 2
 
             run.trainers[0].signal(signal.SIGTERM)  # stops after the step in progress, exits 0
             assert run.wait_trainer(60) == [0], run.logs()

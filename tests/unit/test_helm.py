@@ -683,7 +683,10 @@ def test_dashboard_structure():
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert variables["shard"]["includeAll"] and "rollstream_" in variables["shard"]["definition"]
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["Scheduler", "Rollouts", "Trainer", "Consumers", "Streams", "Weights"]
+    assert rows == ["Scheduler", "Frontier", "Rollouts", "Trainer", "Consumers", "Streams", "Weights"]
+    assert variables["window"]["type"] == "interval" and variables["window"]["current"]["value"] == "1h"
+    frontier = [t["expr"] for p in _panels() for t in p["targets"] if "$window" in t["expr"]]
+    assert len(frontier) == 3 and all("$__rate_interval" not in e for e in frontier)
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
     for panel in _panels():

@@ -48,6 +48,7 @@ EXPECTED = {
     "rollstream_rollouts_overlong": "counter",
     "rollstream_admitted_lag_updates": "histogram",
     "rollstream_session_duration_seconds": "histogram",
+    "rollstream_trained_session_seconds": "histogram",
     "rollstream_step_metric": "gauge",
     "rollstream_trainer_steps": "counter",
     "rollstream_trainer_updates": "gauge",
@@ -215,6 +216,8 @@ def test_observe_actions_events_and_finished(metrics):
     metrics.observe_event(0, Handover(step=1, updates=0))
     metrics.observe_finished(0, Status.COMPLETED, 12.0)
     metrics.observe_finished(0, "infra_error", None)
+    metrics.observe_finished_many(0, [Status.CANCELLED, Status.COMPLETED, Status.CANCELLED], [0.5, 3.0, 1.5])
+    metrics.observe_trained(0, [12.0, None, 3.0])
     metrics.set_in_flight(0, 17)
     get = metrics.registry.get_sample_value
     assert get("rollstream_samples_submitted_total", {"shard": "0"}) == 2
@@ -222,11 +225,20 @@ def test_observe_actions_events_and_finished(metrics):
     assert get("rollstream_samples_cancelled_total", {"shard": "0", "reason": "timeout"}) == 1
     assert get("rollstream_samples_discarded_total", {"shard": "0", "reason": "superseded"}) == 1
     assert get("rollstream_scheduler_events_total", {"shard": "0", "kind": "handover"}) == 1
-    assert get("rollstream_samples_finished_total", {"shard": "0", "status": "completed"}) == 1
+    assert get("rollstream_samples_finished_total", {"shard": "0", "status": "completed"}) == 2
     assert get("rollstream_samples_finished_total", {"shard": "0", "status": "infra_error"}) == 1
-    assert get("rollstream_session_duration_seconds_count", {"shard": "0"}) == 1
-    assert get("rollstream_session_duration_seconds_bucket", {"shard": "0", "le": "10.0"}) == 0
-    assert get("rollstream_session_duration_seconds_bucket", {"shard": "0", "le": "25.0"}) == 1
+    assert get("rollstream_samples_finished_total", {"shard": "0", "status": "cancelled"}) == 2
+    done = {"shard": "0", "status": "completed"}
+    assert get("rollstream_session_duration_seconds_count", done) == 2
+    assert get("rollstream_session_duration_seconds_sum", done) == 15.0
+    assert get("rollstream_session_duration_seconds_bucket", {**done, "le": "10.0"}) == 1
+    assert get("rollstream_session_duration_seconds_bucket", {**done, "le": "25.0"}) == 2
+    cancelled = {"shard": "0", "status": "cancelled"}
+    assert get("rollstream_session_duration_seconds_count", cancelled) == 2
+    assert get("rollstream_session_duration_seconds_sum", cancelled) == 2.0
+    assert get("rollstream_session_duration_seconds_count", {"shard": "0", "status": "infra_error"}) is None
+    assert get("rollstream_trained_session_seconds_count", {"shard": "0"}) == 2
+    assert get("rollstream_trained_session_seconds_sum", {"shard": "0"}) == 15.0
     assert get("rollstream_samples_in_flight", {"shard": "0"}) == 17
 
 

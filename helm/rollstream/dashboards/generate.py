@@ -3,8 +3,9 @@
     python helm/rollstream/dashboards/generate.py          # rewrite rollstream.json
     python helm/rollstream/dashboards/generate.py --check  # exit 1 if it is out of date
 
-One panel per metric family of `pipeline/metrics.py`, in rows (Scheduler, Rollouts,
-Trainer, Consumers, Streams, Weights). Counters are shown as `rate()`, histograms as
+One panel per metric family of `pipeline/metrics.py`, in rows (Scheduler, Frontier,
+Rollouts, Trainer, Consumers, Streams, Weights); the Frontier row's three numbers (share of
+the slots' capacity trained, waste share, trained length bias) over the `$window` picked. Counters are shown as `rate()`, histograms as
 `histogram_quantile()` over `sum by (le)`. `tests/unit/test_helm.py` checks that the JSON
 equals this script's output and that every `rollstream_*` name in it is a defined metric.
 """
@@ -20,6 +21,20 @@ UID = "rollstream-pipeline"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 SHARD = 'shard=~"$shard"'
 RATE = "$__rate_interval"
+WINDOW = "$window"  # the frontier's panels: a step's sessions can take minutes to hours
+
+
+def per_s(metric: str, selector: str = SHARD) -> str:
+    """`metric`'s rate over `WINDOW`, summed over every series `selector` picks."""
+    return f"sum(rate({metric}{{{selector}}}[{WINDOW}]))"
+
+
+TRAINED_S = per_s("rollstream_trained_session_seconds_sum")
+TRAINED = per_s("rollstream_trained_session_seconds_count")
+BUSY_S = per_s("rollstream_session_duration_seconds_sum")
+ENDED = f'{SHARD}, status!="cancelled"'  # sessions that ended by themselves
+ENDED_MEAN = (f"({per_s('rollstream_session_duration_seconds_sum', ENDED)} / "
+              f"{per_s('rollstream_session_duration_seconds_count', ENDED)})")
 
 
 def rate(metric: str, by: str, selector: str = SHARD) -> str:
@@ -27,12 +42,13 @@ def rate(metric: str, by: str, selector: str = SHARD) -> str:
     return f"sum by ({by}) (rate({metric}{sel}[{RATE}]))"
 
 
-def quantiles(metric: str, selector: str = SHARD) -> list[tuple[str, str]]:
+def quantiles(metric: str, selector: str = SHARD, qs: tuple[float, ...] = (0.5, 0.9, 0.99),
+              legend: str = "") -> list[tuple[str, str]]:
     sel = f"{{{selector}}}" if selector else ""
     return [
         (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{sel}[{RATE}])))",
-         f"p{int(q * 100)}")
-        for q in (0.5, 0.9, 0.99)
+         f"{legend}p{int(q * 100)}")
+        for q in qs
     ]
 
 
@@ -73,6 +89,24 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          "...) and the loss metrics from the trainer ranks (loss tokens, clip fraction, ...)."),
          [(f"avg by (name) (rollstream_step_metric{{{SHARD}}})", "{{name}}")]),
     ]),
+    ("Frontier", [
+        ("Share of the slots' capacity trained", "timeseries", "percentunit",
+         ("Samples trained per second over what the slots could finish (all consumers' slots "
+         "over the mean session, of those that ended by themselves), over $window: below 1 "
+         "where slots idle or waste, above 1 only by training short sessions (the length "
+         "panel). The slots are all shards'; pick every shard."),
+         [(f"{TRAINED} * {ENDED_MEAN} / clamp_min(sum(rollstream_consumer_slots), 1)", "share")]),
+        ("Waste share of slot-seconds", "timeseries", "percentunit",
+         ("Slot-seconds of sessions that no step trained (cancelled, stale, superseded, "
+         "surplus, failed) over all busy slot-seconds, over $window. Results held for their "
+         "group count as busy until their step: a window shorter than a few steps reads low."),
+         [(f"1 - {TRAINED_S} / clamp_min({BUSY_S}, 1e-9)", "waste share")]),
+        ("Trained length over all sessions", "timeseries", "short",
+         ("Mean slot seconds of the trained sessions over those of every session that ended "
+         "by itself, over $window: below 1, the steps lean toward short sessions (backups, "
+         "replacements, oversampling train the first finishers)."),
+         [(f"({TRAINED_S} / {TRAINED}) / {ENDED_MEAN}", "trained / all")]),
+    ]),
     ("Rollouts", [
         ("Submitted and resubmitted / s", "timeseries", "ops",
          "Work entries submitted (all attempts), and resubmissions by cause.",
@@ -88,8 +122,10 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          "Results dropped without training (superseded attempts, stale, failures).",
          [(rate("rollstream_samples_discarded_total", "reason"), "{{reason}}")]),
         ("Session duration", "timeseries", "s",
-         "Submission-to-finish seconds of rollout sessions.",
-         quantiles("rollstream_session_duration_seconds")),
+         ("Seconds each rollout session held a consumer's slot (a cancelled one's to its "
+         "cancel), and those of the sessions the steps trained."),
+         quantiles("rollstream_session_duration_seconds")
+         + quantiles("rollstream_trained_session_seconds", qs=(0.5, 0.9), legend="trained ")),
     ]),
     ("Trainer", [
         ("Trainer updates", "stat", "short",
@@ -233,6 +269,11 @@ def dashboard() -> dict:
              "includeAll": True, "multi": True, "allValue": ".*",
              "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
              "refresh": 2, "sort": 3, "hide": 0, "regex": ""},
+            {"name": "window", "label": "Frontier window", "type": "interval",
+             "query": "5m,15m,1h,6h,24h", "auto": False, "hide": 0, "refresh": 2,
+             "current": {"selected": True, "text": "1h", "value": "1h"},
+             "options": [{"selected": w == "1h", "text": w, "value": w}
+                         for w in ("5m", "15m", "1h", "6h", "24h")]},
         ]},
         "panels": panels,
     }

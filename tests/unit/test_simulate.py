@@ -128,3 +128,30 @@ def test_replacing_runs_keep_the_bound_whole_groups_and_the_in_flight_target(gro
     for group, sample, _ in sim.trained:
         per_group.setdefault(group, set()).add(sample)
     assert all(len(samples) == groups for samples in per_group.values())
+
+
+def test_simulate_frontier_runs_the_workload_it_is_given(capsys):
+    """`--slots`, `--groups`, `--batch-size`, `--median-ms` and `--sigma` shape the frontier's
+    workload (a user's own, to tune on), as they do `bench schedule`'s."""
+    from rollstream.bench_schedule import capped_lognormal_mean
+
+    assert main(["simulate", "--frontier", "--steps", "2", "--policies", "stream", "--slots", "48",
+                 "--groups", "4", "--batch-size", "6", "--median-ms", "500", "--sigma", "0.5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    w = result["workload"]
+    assert (w["slots"], w["groups"], w["batch_size"], w["median_ms"], w["sigma"]) == (48, 4, 6, 500.0, 0.5)
+    assert w["mean_session_s"] == pytest.approx(capped_lognormal_mean(0.5, 0.5, 20.0), abs=1e-5)
+    for point in result["frontier"].values():
+        assert point["stream"]["trained_samples"] == 2 * 4 * 6
+        assert point["stream"]["config"]["inflight_samples"] == 48
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--frontier", "--oversample", "2"], "--oversample: not with --frontier"),
+    (["--frontier", "--ahead", "2", "--admission", "stream"], "--admission, --ahead: not with --frontier"),
+    (["--policies", "stream"], "--policies: only with --frontier"),
+    (["--seeds", "2", "--plot", "x.png"], "--plot, --seeds: only with --frontier"),
+])
+def test_simulate_refuses_options_of_the_other_mode_naming_them(argv, says, capsys):
+    assert main(["simulate", "--steps", "1", *argv]) == 2
+    assert says in capsys.readouterr().err

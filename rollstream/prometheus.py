@@ -163,8 +163,8 @@ def panels(path: Path = DASHBOARD) -> list[Panel]:
     return out
 
 
-def promql(expr: str, rate_interval: str = "1m", window: str | None = None) -> str:
+def promql(expr: str, rate_interval: str = "1m") -> str:
     """A panel expression as plain PromQL: every shard, `rate_interval` for
-    `$__rate_interval`, `window` (default: `rate_interval`) for the frontier's `$window`."""
+    `$__rate_interval` and for the Frontier row's `$window`."""
     return (expr.replace('"$shard"', '".*"').replace("$__rate_interval", rate_interval)
-            .replace("$window", window or rate_interval))
+            .replace("$window", rate_interval))

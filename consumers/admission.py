@@ -363,6 +363,10 @@ class Admission:
         self._refs: dict[str, bytes] = {}
         self._stored: set[str] = set()
         self._stored_refs: set[str] = set()
+        # the slot seconds of the results this process held (`rollstream_held_session_seconds`;
+        # those held across a rebuild are not in it: their sessions were counted before it)
+        self._held_seconds: dict[str, float] = {}
+        self._held_s = 0.0
         for name, value in self.r.hgetall(self.keys.held(self.shard)).items():
             if value.startswith(REF):
                 self._refs[text(name)] = value[len(REF):]
@@ -675,6 +679,7 @@ class Admission:
         for observe in txn.observe:
             observe(m)
         m.set_in_flight(self.shard, self.sched.in_flight)
+        m.set_held_seconds(self.shard, self._held_s)
 
     def _snapshot_interval(self) -> int:
         """Transitions until the next snapshot, fixed at each snapshot and at a rebuild:
@@ -797,6 +802,10 @@ class Admission:
             names = groups[key.group] = set()
         names.add(name)
         self._decoded[name] = rollout
+        seconds = _duration(rollout.timings)
+        if seconds is not None:
+            self._held_seconds[name] = seconds
+            self._held_s += seconds
 
     def _unhold(self, txn: _Txn, keys: Sequence[SampleKey], names: Sequence[str] | None = None) -> None:
         """Release the held results of `keys` (`names`: their members, when known)."""
@@ -812,6 +821,9 @@ class Admission:
                         del self._held[key.epoch]
                 self._decoded.pop(name, None)
                 self._refs.pop(name, None)
+                seconds = self._held_seconds.pop(name, None)
+                if seconds is not None:  # the sum starts again from 0 whenever nothing is held
+                    self._held_s = self._held_s - seconds if self._held_seconds else 0.0
                 if name in self._stored or name in self._stored_refs:  # in the hash, or staged for it
                     self._stored.discard(name)
                     self._stored_refs.discard(name)

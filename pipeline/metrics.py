@@ -261,6 +261,11 @@ class Metrics:
             "of each rollout a step trained (its group packed into the step's rows): against "
             "session_duration_seconds, the waste share and the trained sessions' length bias.",
             ("shard",), SESSION_BUCKETS, r)
+        self.held_session = gauge(
+            "held_session_seconds", "Slot seconds of the results the admission consumer holds "
+            "for groups not yet trained (read, so in session_duration_seconds, and neither "
+            "trained nor discarded yet): busy minus trained minus its change is the waste.",
+            ("shard",))
         self.step_metric = gauge(
             "step_metric", "Every finite value of the latest SchedulerRecord.metrics, by key "
             "(merge_ratio, non_pad_share, latency_s_p90, token_lag_mean, ...).",
@@ -429,6 +434,9 @@ class Metrics:
 
     def set_in_flight(self, shard: int, samples: int) -> None:
         self._child(self.samples_in_flight, str(shard)).set(samples)
+
+    def set_held_seconds(self, shard: int, seconds: float) -> None:
+        self._child(self.held_session, str(shard)).set(seconds)
 
     def observe_record(self, record: SchedulerRecord, *, shard: int, refused: int = 0,
                        surplus: int = 0, overlong: int = 0) -> None:

@@ -47,8 +47,10 @@ that ended cancelled: surplus, stale or closed); resubmissions by cause; the rat
 samples/s and utilisation to `sync` and to `group`; `slot_shares`, every slot-second by fate
 (trained; wasted as cancelled, superseded or surplus; at the end still `running` or
 `waiting`, finished in a group not trained yet; `idle`), whose `trained` share over
-`trained_length_vs_workload` is the share of capacity; and `first_step_s` and `step_s`, the
-first step's time from the start and the mean time of each step after it.
+`trained_length_vs_workload` is the share of capacity; `first_step_s` and `step_s`, the
+first step's time from the start and the mean time of each step after it; and `live`, the
+dashboard's Frontier numbers as the admission consumer's own series give them from the
+first step to the last (`frontier_figures`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import math
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -70,7 +73,7 @@ import numpy as np
 from pipeline import wire
 from pipeline.config import AdmissionConfig, ConsumerConfig, RedisConfig, SchedulerConfig, build
 from pipeline.keys import Keys
-from pipeline.processes import Process
+from pipeline.processes import Process, free_port
 from pipeline.ready import ReadyRecord
 from pipeline.redis_io import connect, delete_namespace, embedded
 from pipeline.scheduler import CAUSES
@@ -303,11 +306,12 @@ def _wait_up(r, keys: Keys, procs: list[Process], consumers: int, timeout_s: flo
 
 
 @contextlib.contextmanager
-def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: dict) -> Iterator[list[Process]]:
+def _pipeline(tmp: Path, redis_config: RedisConfig, scheduler: dict, workload: dict,
+              metrics_port: int) -> Iterator[list[Process]]:
     redis = redis_config.model_dump(mode="json")
     adm = build(AdmissionConfig, {"redis": redis, "scheduler": scheduler, "block_ms": 20,
                                   "lease_s": 60.0, "trim_every_s": 3600.0,
-                                  "metrics_addr": "127.0.0.1:0"})
+                                  "metrics_addr": f"127.0.0.1:{metrics_port}"})
     per = workload["slots"] // workload["procs"]
     con = build(ConsumerConfig, {
         "redis": redis, "slots": per, "block_ms": 20, "lease_s": 60.0, "grace_s": 2.0,
@@ -344,8 +348,9 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
     trained_pairs: set[tuple[int, int]] = set()
     waited = 0.0
     step_times: list[float] = []
+    port = free_port()
     try:
-        with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload) as procs:
+        with _pipeline(tmp, redis_config, scheduler.model_dump(mode="json"), workload, port) as procs:
             _wait_up(r, keys, procs, workload["procs"])
             writer = TaskWriter(r, keys, 0)
             ahead = scheduler.registered_ahead
@@ -374,6 +379,8 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
                 waited += time.monotonic() - start
                 records.append(ready.record)
                 step_times.append(time.time() - t0)
+                if step == 0:  # the window of `live` opens as the first step goes out
+                    first = _scrape(port, ready.record.groups * scheduler.groups)
                 arrays = ready.arrays
                 mask = arrays["rollout_trained"].astype(bool)
                 trained_pairs.update(zip(arrays["rollout_group"][mask].tolist(),
@@ -381,17 +388,73 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
                 updates += 1
                 time.sleep(workload["train_ms"] / 1000)
             t1 = time.time()
+            live = frontier_figures(_scrape(port, sum(rec.groups for rec in records) * scheduler.groups), first)
             writer.open(epoch + 1)  # cancels everything still running
             _wait_taken(r, keys)
             time.sleep(0.2)
             alive = all(p.alive for p in procs)
             if not alive:
                 raise RuntimeError("a pipeline process died:\n" + "\n".join(p.output()[-2000:] for p in procs))
-        return _measure(name, scheduler, workload, r, keys, records, waited, t0, t1, trained_pairs,
-                        step_times)
+        return {**_measure(name, scheduler, workload, r, keys, records, waited, t0, t1, trained_pairs,
+                           step_times), "live": live}
     finally:
         delete_namespace(r, keys)
         r.close()
+
+
+def _scrape(port: int, trained: int, timeout_s: float = 10.0) -> dict:
+    """`slot_seconds` of the admission consumer's own series (its `/metrics` on `port`), once
+    they count the `trained` samples of the steps so far (they are updated just after the
+    transaction that wrote the last Ready)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            sums = slot_seconds(reply.read().decode())
+        if sums["trained"] >= trained or time.monotonic() > deadline:
+            return sums
+
+
+_SESSION, _TRAINED, _HELD = ("rollstream_session_duration_seconds", "rollstream_trained_session_seconds",
+                             "rollstream_held_session_seconds")
+
+
+def slot_seconds(exposition: str) -> dict[str, float]:
+    """From one scrape of the admission consumers (`exposition`, Prometheus's text format),
+    over every series: `busy` (every session's slot seconds), `ended` and `ended_s` (the
+    sessions that ended by themselves, and their slot seconds), `trained` and `trained_s`
+    (the rollouts the steps trained), `held_s` (the results held for groups not trained yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums = dict.fromkeys(("busy", "ended", "ended_s", "trained", "trained_s", "held_s"), 0.0)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            kind = sample.name.removeprefix(family.name)
+            ended = sample.labels.get("status") != Status.CANCELLED.value
+            if family.name == _SESSION and kind == "_sum":
+                sums["busy"] += sample.value
+                sums["ended_s"] += sample.value if ended else 0.0
+            elif family.name == _SESSION and kind == "_count":
+                sums["ended"] += sample.value if ended else 0.0
+            elif family.name == _TRAINED and kind in ("_sum", "_count"):
+                sums["trained_s" if kind == "_sum" else "trained"] += sample.value
+            elif family.name == _HELD:
+                sums["held_s"] += sample.value
+    return sums
+
+
+def frontier_figures(end: dict[str, float], start: dict[str, float] | None = None) -> dict:
+    """The dashboard's Frontier row from `slot_seconds` at the `end` of a window opened at
+    `start` (None: the process's start): the waste share (busy slot-seconds less those
+    trained and the growth of those held, over busy) and the trained sessions' mean slot
+    time over that of every session that ended by itself (docs/operations.md, "Watching the
+    frontier")."""
+    d = {k: v - (start or {}).get(k, 0.0) for k, v in end.items()}
+    ended_mean = d["ended_s"] / d["ended"] if d["ended"] else None
+    return {"busy_slot_s": round(d["busy"], 3), "trained_slot_s": round(d["trained_s"], 3),
+            "held_growth_s": round(d["held_s"], 3), "trained": int(d["trained"]),
+            "waste_share": round(1 - (d["trained_s"] + d["held_s"]) / d["busy"], 4) if d["busy"] else None,
+            "trained_length_bias": (round(d["trained_s"] / d["trained"] / ended_mean, 4)
+                                    if d["trained"] and ended_mean else None)}
 
 
 def _wait_taken(r, keys: Keys, timeout_s: float = 10.0) -> None:

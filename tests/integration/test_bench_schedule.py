@@ -40,10 +40,14 @@ def test_bench_schedule_reports_every_policy():
         assert p["wasted_slot_s"] >= 0 and 0 <= p["waste_share"] < 1
         assert p["trained_length_bias"] > 0
         assert set(p["resubmitted"]) >= {"infra_error", "stale"}
+        # the admission's own series count every sample trained after the first step
+        assert p["live"]["trained"] == p["trained_samples"] // 2, name
+        assert p["live"]["trained_slot_s"] > 0
     assert out["policies"]["sync"]["vs_sync"]["samples_per_s"] == 1.0
     assert out["policies"]["group"]["vs_group"]["samples_per_s"] == 1.0
     assert out["policies"]["sync"]["wasted_slot_s"] == 0.0
     assert out["policies"]["sync"]["waste_share"] == 0.0
+    assert out["policies"]["sync"]["live"]["waste_share"] == 0.0
     assert out["policies"]["group"]["config"]["backfill"] == "group"
 
 

@@ -1,7 +1,8 @@
 """The frontier's numbers, live: the admission consumer's `rollstream_session_duration_seconds`
-(every session's slot seconds, by status) and `rollstream_trained_session_seconds` (those of
-the rollouts the steps trained) agree exactly with what the results and Ready streams say, on
-a run with every kind of waste: failures, a cancel, a timeout, surplus oversamples and a
+(every session's slot seconds, by status), `rollstream_trained_session_seconds` (those of
+the rollouts the steps trained) and `rollstream_held_session_seconds` (those of the results
+held for groups not trained yet) agree exactly with what the results and Ready streams say,
+on a run with every kind of waste: failures, a cancel, a timeout, surplus oversamples and a
 truncation masked out of the loss."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from pipeline import wire
 from pipeline.metrics import Metrics
 from pipeline.ready import expand
+from pipeline.scheduler import SampleKey, member
 from pipeline.sessions import Status
 from tests.integration.helpers import Trainer, wait_until
 
@@ -89,5 +91,10 @@ def test_live_slot_seconds_match_the_streams_exactly(threads, r, keys):
     assert trained_s == pytest.approx(sum(map(_slot_s, trained)), rel=1e-9)
     # the masked truncation was packed and is not counted as trained: busy, and wasted
     assert all(res.status is not Status.TRUNCATED for res in trained)
+    # the last batch's complete groups wait for a handover that never comes: held
+    held = [res for res in every if member(SampleKey(res.epoch, res.group, res.sample, res.attempt)) in adm.held()]
+    assert len(held) == 3 * SCHEDULER["groups"]
+    held_s = get("rollstream_held_session_seconds", {"shard": "0"})
+    assert held_s == pytest.approx(sum(map(_slot_s, held)), rel=1e-9)
     busy = sum(sum(spans) for spans in by_status.values())
-    assert 0.1 < 1 - trained_s / busy < 0.9  # the timeout's half second alone is a tenth of it
+    assert 0.1 < 1 - (trained_s + held_s) / busy < 0.9  # the timeout's half second alone is a tenth

@@ -374,3 +374,36 @@ def test_the_simulated_batch_policy_wastes_at_least_the_fixed_window_bound():
             r = bench_schedule.simulate_policy("batch", bench_schedule._at_lag({**w, "seed": seed}, lag))
             bound = bench_schedule.least_waste_share_fixed_window(w, lag, r["capacity_share"])
             assert r["waste_share"] >= bound["waste_share"], (seed, lag, r["waste_share"], bound)
+
+
+def test_frontier_figures_read_the_dashboard_s_numbers_from_a_scrape():
+    """Busy slot-seconds are every status's, the population's mean is that of the sessions
+    that ended by themselves, what is held for groups not trained yet is neither trained
+    nor wasted, and every shard counts."""
+    from prometheus_client import generate_latest
+
+    from pipeline.metrics import Metrics
+    from pipeline.sessions import Status
+    from rollstream.bench_schedule import frontier_figures, slot_seconds
+
+    m = Metrics()
+
+    def scrape() -> dict:
+        return slot_seconds(generate_latest(m.registry).decode())
+
+    m.observe_finished_many(0, [Status.COMPLETED, Status.COMPLETED, Status.CANCELLED], [1.0, 3.0, 0.5])
+    m.observe_finished_many(1, [Status.INFRA_ERROR], [2.0])
+    m.observe_trained(0, [1.0])
+    m.observe_trained(1, [2.0])
+    m.set_held_seconds(0, 3.0)  # the second completed session waits for its group
+    start = scrape()
+    assert frontier_figures(start) == {
+        "busy_slot_s": 6.5, "trained_slot_s": 3.0, "held_growth_s": 3.0, "trained": 2,
+        "waste_share": round(0.5 / 6.5, 4), "trained_length_bias": round(1.5 / 2.0, 4)}
+    m.observe_finished_many(0, [Status.COMPLETED, Status.CANCELLED], [4.0, 4.0])
+    m.observe_trained(0, [3.0, 4.0])  # its group trains
+    m.set_held_seconds(0, 0.0)
+    assert frontier_figures(scrape(), start) == {
+        "busy_slot_s": 8.0, "trained_slot_s": 7.0, "held_growth_s": -3.0, "trained": 2,
+        "waste_share": 0.5, "trained_length_bias": round(3.5 / 4.0, 4)}
+    assert frontier_figures(slot_seconds(""))["waste_share"] is None

@@ -49,6 +49,7 @@ EXPECTED = {
     "rollstream_admitted_lag_updates": "histogram",
     "rollstream_session_duration_seconds": "histogram",
     "rollstream_trained_session_seconds": "histogram",
+    "rollstream_held_session_seconds": "gauge",
     "rollstream_step_metric": "gauge",
     "rollstream_trainer_steps": "counter",
     "rollstream_trainer_updates": "gauge",

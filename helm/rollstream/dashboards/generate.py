@@ -29,9 +29,18 @@ def per_s(metric: str, selector: str = SHARD) -> str:
     return f"sum(rate({metric}{{{selector}}}[{WINDOW}]))"
 
 
+def over_window(metric: str) -> str:
+    """How much `metric` grew over `WINDOW`, summed over the shards picked."""
+    return f"sum(increase({metric}{{{SHARD}}}[{WINDOW}]))"
+
+
 TRAINED_S = per_s("rollstream_trained_session_seconds_sum")
 TRAINED = per_s("rollstream_trained_session_seconds_count")
-BUSY_S = per_s("rollstream_session_duration_seconds_sum")
+HELD = "rollstream_held_session_seconds"
+# slot-seconds over the window: busy, trained, and the change in what is held for groups
+WASTE = (f"1 - ({over_window('rollstream_trained_session_seconds_sum')} + sum({HELD}{{{SHARD}}}) "
+         f"- (sum({HELD}{{{SHARD}}} offset {WINDOW}) or vector(0))) "
+         f"/ clamp_min({over_window('rollstream_session_duration_seconds_sum')}, 1e-9)")
 ENDED = f'{SHARD}, status!="cancelled"'  # sessions that ended by themselves
 ENDED_MEAN = (f"({per_s('rollstream_session_duration_seconds_sum', ENDED)} / "
               f"{per_s('rollstream_session_duration_seconds_count', ENDED)})")
@@ -98,9 +107,10 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          [(f"{TRAINED} * {ENDED_MEAN} / clamp_min(sum(rollstream_consumer_slots), 1)", "share")]),
         ("Waste share of slot-seconds", "timeseries", "percentunit",
          ("Slot-seconds of sessions that no step trained (cancelled, stale, superseded, "
-         "surplus, failed) over all busy slot-seconds, over $window. Results held for their "
-         "group count as busy until their step: a window shorter than a few steps reads low."),
-         [(f"1 - {TRAINED_S} / clamp_min({BUSY_S}, 1e-9)", "waste share")]),
+         "surplus, failed, masked out of the loss) over all busy slot-seconds, over $window: "
+         "busy minus trained minus the growth of what the admission consumers hold for "
+         "groups not yet trained."),
+         [(WASTE, "waste share")]),
         ("Trained length over all sessions", "timeseries", "short",
          ("Mean slot seconds of the trained sessions over those of every session that ended "
          "by itself, over $window: below 1, the steps lean toward short sessions (backups, "

@@ -103,7 +103,8 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          ("Samples trained per second over what the slots could finish (all consumers' slots "
          "over the mean session, of those that ended by themselves), over $window: below 1 "
          "where slots idle or waste, above 1 only by training short sessions (the length "
-         "panel). The slots are all shards'; pick every shard."),
+         "panel). The slots are all shards'; pick every shard. A run younger than $window "
+         "reads low: rate() spreads what it saw over the whole window."),
          [(f"{TRAINED} * {ENDED_MEAN} / clamp_min(sum(rollstream_consumer_slots), 1)", "share")]),
         ("Waste share of slot-seconds", "timeseries", "percentunit",
          ("Slot-seconds of sessions that no step trained (cancelled, stale, superseded, "

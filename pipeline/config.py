@@ -123,10 +123,9 @@ class SchedulerConfig(_Model):
             )
         if self.admit is not None and self.batch_size is not None and self.admit > self.batch_size:
             raise ValueError(f"admit={self.admit} exceeds batch_size={self.batch_size}")
-        if self.oversample_start != "group" and self.admission != "stream":
-            raise ValueError(f"oversample_start={self.oversample_start!r} needs admission='stream'")
-        if self.group_start != "any" and self.admission != "stream":
-            raise ValueError(f"group_start={self.group_start!r} needs admission='stream'")
+        for name, default in (("oversample_start", "group"), ("group_start", "any")):  # stream-only
+            if getattr(self, name) != default and self.admission != "stream":
+                raise ValueError(f"{name}={getattr(self, name)!r} needs admission='stream'")
         if self.oversample_start == "replace" and self.oversample < 1:
             raise ValueError("oversample_start='replace' needs oversample >= 1: a group's first "
                              "replacement is one of its extra rollouts")

@@ -412,6 +412,7 @@ def _scrape(port: int, trained: int, timeout_s: float = 10.0) -> dict:
             sums = slot_seconds(reply.read().decode())
         if sums["trained"] >= trained or time.monotonic() > deadline:
             return sums
+        time.sleep(0.02)
 
 
 _SESSION, _TRAINED, _HELD = ("rollstream_session_duration_seconds", "rollstream_trained_session_seconds",

@@ -19,8 +19,9 @@ from pipeline.errors import guarded
 
 SIMULATE_ONLY = {"admission": "batch", "oversample": 1, "ahead": 1, "timeout_s": 300.0,
                  "groups": 4, "batch_size": 8, "slots": 64, "steps": 20}
-"""`rollstream simulate`'s defaults without `--frontier` (the first four are set per policy
-and `max_lag` with it, so it refuses them)."""
+"""`rollstream simulate`'s defaults without `--frontier`."""
+PER_POLICY = ("admission", "oversample", "ahead", "timeout_s")
+"""The options `--frontier` sets per policy and `max_lag` itself, so it refuses them."""
 FRONTIER_ONLY = ("policies", "plot", "seeds", "stream_config")
 """`rollstream simulate --frontier`'s own options."""
 
@@ -72,7 +73,7 @@ def _simulate_frontier(args: argparse.Namespace) -> int:
     from the pure scheduler on a virtual clock."""
     from rollstream import bench_schedule
 
-    if given := _given(args, list(SIMULATE_ONLY)[:4]):
+    if given := _given(args, PER_POLICY):
         raise ConfigError(f"{', '.join(given)}: not with --frontier, which sets them per policy and "
                           "max_lag (the stream policy's fields: --stream-config)")
     try:

@@ -678,7 +678,8 @@ def simulate_policy(name: str, workload: dict) -> dict:
     """One policy on `simulate.Simulation` with the bench's workload: the same sessions
     (`SleepSource`'s own durations, drawn from each attempt's key with the workload's seed,
     so that a batch policy meets exactly the sessions the bench's consumers sleep; every one
-    completed, its one call made as it ends), slots, trainer and figures."""
+    completed, its one call made as it ends, or, with the workload's `call_at_end` False, as
+    it starts, as an agent's first call), slots, trainer and figures."""
     from consumers.sources.sleep import SleepSource
     from rollstream.simulate import Simulation, Workload
 
@@ -688,7 +689,7 @@ def simulate_policy(name: str, workload: dict) -> dict:
         slots=workload["slots"], batch_size=workload["batch_size"],
         median_s=workload["median_ms"] / 1000, sigma=workload["sigma"], cap=workload["cap"],
         train_s=workload["train_ms"] / 1000, status_mix={"completed": 1.0},
-        seed=workload["seed"], call_at_end=True),
+        seed=workload["seed"], call_at_end=workload.get("call_at_end", True)),
         durations=lambda sub: source.duration_for(sub.task.id, sub.key.group, sub.key.sample,
                                                   sub.key.attempt))
     reports = list(sim.steps(workload["steps"]))

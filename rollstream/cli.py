@@ -211,6 +211,11 @@ def parser() -> argparse.ArgumentParser:
              "then an audit of trained tasks (rollstream chaos --help)")
     chaos.set_defaults(run=None)  # main() hands `rollstream chaos ...` to rollstream.chaos
 
+    tune = sub.add_parser(
+        "tune", add_help=False,
+        help="the stream setting that does best on your sessions' shape, slots and max_lag, by "
+             "simulation (rollstream tune --help)")
+    tune.set_defaults(run=None)  # main() hands `rollstream tune ...` to rollstream.tune
     sim = sub.add_parser("simulate", help="the scheduling core over a simulated heavy-tailed workload")
     from rollstream.bench_schedule import add_stream_config, add_workload_arguments
     from rollstream.simulate import Workload
@@ -331,7 +336,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 OWN_PARSERS = {("demo",): "rollstream.demo", ("bench", "learn"): "rollstream.bench_learn",
-               ("chaos",): "rollstream.chaos"}
+               ("chaos",): "rollstream.chaos", ("tune",): "rollstream.tune"}
 """Commands handed whole to a module's own `main(argv)`, by their leading words."""
 
 

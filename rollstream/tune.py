@@ -1,0 +1,256 @@
+"""`rollstream tune`: the stream setting that does best on your workload, by simulation.
+
+The stream settings of `docs/operations.md` were tuned on one workload (log-normal sessions
+of shape 1, 256 slots, steps of 32 groups of 8, staleness counted from a session's last
+call). On another shape the best setting differs: at shape 1.5 and `max_lag` 1 the
+recommended `group_start: handover` trains less than `replace` alone. This command runs
+every setting of `SETTINGS` and the `batch` policy (`oversample` 2, the frontier's
+reference) through the pure scheduler on a virtual clock (`bench_schedule.simulate_policy`,
+what `rollstream simulate --frontier` runs) on the sessions, slots, group size, step size,
+trainer step time and `max_lag` given, and picks one:
+
+- by default (the frontier's goal: at least `batch`'s share of the capacity bound at no more
+  than half its waste share), the setting with the least waste share among those that
+  train at least `batch`'s share; if none does, the one nearest the goal: the least of the
+  larger of two ratios, `batch`'s share over the setting's and the setting's waste share
+  over half `batch`'s (`distance`);
+- with `--max-waste W`, the setting that trains most at a waste share of at most W; if none
+  wastes that little, the one that wastes least.
+
+It prints every setting's figures and the chosen one's `scheduler` fields, to merge into the
+`scheduler` section of the trainer's config and every admission consumer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipeline.config import SchedulerConfig, build
+from pipeline.errors import ConfigError
+from rollstream.bench_schedule import policy_config, simulate_policy, workload_for
+
+Z90 = 1.2815515655446004
+"""The standard normal's 0.9 quantile: a log-normal's p90 over its p50 is exp(sigma x Z90)."""
+
+FIGURES = ("capacity_share", "waste_share", "trained_length_vs_workload", "lag_max")
+"""The figures reported per setting (`bench_schedule._report`'s names)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A stream setting: `scheduler` fields over the stream policy's (`policy_config`), and
+    the samples kept in flight as a multiple of the slots."""
+
+    name: str
+    fields: dict
+    inflight: float = 1.0
+
+    def inflight_samples(self, workload: dict) -> int:
+        return max(workload["groups"], round(self.inflight * workload["slots"]))
+
+
+_REPLACE = {"oversample": 4, "oversample_start": "replace"}
+_FAMILIES = (
+    Setting("plain", {}),
+    Setting("oversample-1", {"oversample": 1}),
+    Setting("backups", {"oversample": 1, "oversample_start": "straggler"}),
+    Setting("backups-2", {"oversample": 2, "oversample_start": "straggler"}, 1.06),
+    *(Setting(f"replace-{ahead:g}", {**_REPLACE, "replace_ahead": ahead})
+      for ahead in (0.2, 0.3, 0.4, 0.55, 0.7, 0.85)),
+    *(Setting(f"handover-{inflight:g}x", {**_REPLACE, "replace_ahead": 0.55, "group_start": "handover"},
+              inflight) for inflight in (1.1, 1.2, 1.3, 1.4, 1.5, 1.7)),
+)
+SETTINGS = tuple(Setting(f"{s.name}/{stale}", {**s.fields, "stale_running": stale}, s.inflight)
+                 for s in _FAMILIES for stale in ("cancel", "finish"))
+"""What `tune` tries: the families the frontier kept or measured (BENCHMARKS.md, "The
+staleness-throughput-waste frontier"), over their knobs (`replace_ahead` for replacements,
+the samples in flight for groups started at handovers), each with running work past the
+bound cancelled and left to finish."""
+
+
+def sigma_from_quantiles(p50_ms: float, p90_ms: float) -> float:
+    """The log-normal shape whose p90 over its p50 is `p90_ms / p50_ms`."""
+    if not 0 < p50_ms < p90_ms:
+        raise ConfigError(f"--p90-ms must exceed --median-ms, both above 0 (got {p50_ms:g} and {p90_ms:g})")
+    return math.log(p90_ms / p50_ms) / Z90
+
+
+def scheduler_fields(setting: Setting, workload: dict) -> dict:
+    """The chosen setting's `scheduler` fields on `workload` (validated as a SchedulerConfig):
+    every field the setting and the workload set, the group and step sizes included, less
+    `sync_every` and `backfill` where they keep their defaults."""
+    fields = policy_config("stream", workload["groups"], workload["batch_size"], workload["max_lag"],
+                           setting.inflight_samples(workload), workload["ahead"], setting.fields)
+    config = build(SchedulerConfig, fields)
+    defaults = SchedulerConfig()
+    return {k: v for k, v in config.model_dump(mode="json").items()
+            if k in fields and (k not in ("sync_every", "backfill") or v != getattr(defaults, k))}
+
+
+def _mean(runs: list[dict]) -> dict:
+    out = {k: round(sum(r[k] for r in runs) / len(runs), 4) for k in FIGURES if k != "lag_max"}
+    out["lag_max"] = max(r["lag_max"] for r in runs)
+    out["per_seed"] = {k: [r[k] for r in runs] for k in ("capacity_share", "waste_share")}
+    return out
+
+
+def measure(workload: dict, seeds: int, run: Callable[[str, dict], dict] = simulate_policy,
+            settings: Sequence[Setting] = SETTINGS, progress: Callable[[str], None] | None = None) -> dict:
+    """`batch` and every setting on `workload`, each the mean over `seeds` seeds from the
+    workload's; per setting also its share and waste share over `batch`'s."""
+    def over_seeds(name: str, stream: dict | None = None, inflight: int | None = None) -> dict:
+        return _mean([run(name, {**workload, "seed": workload["seed"] + k, "stream_config": stream,
+                                 "inflight": inflight}) for k in range(seeds)])
+
+    reference = over_seeds("batch")
+    rows = []
+    for setting in settings:
+        if progress:
+            progress(setting.name)
+        figures = over_seeds("stream", setting.fields, setting.inflight_samples(workload))
+        rows.append({"name": setting.name, **figures,
+                     "share_vs_batch": _ratio(figures["capacity_share"], reference["capacity_share"]),
+                     "waste_vs_batch": _ratio(figures["waste_share"], reference["waste_share"]),
+                     "distance": round(distance(reference, figures), 4)})
+    return {"reference": reference, "settings": rows}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def distance(reference: dict, row: dict) -> float:
+    """How far `row` is from the frontier's goal (at least `batch`'s share at no more than half
+    its waste share): the larger of `batch`'s share over its share and its waste share over
+    half `batch`'s. At 1 or below it dominates `batch`."""
+    share = reference["capacity_share"] / row["capacity_share"] if row["capacity_share"] else math.inf
+    waste = 2 * row["waste_share"] / reference["waste_share"] if reference["waste_share"] else math.inf
+    return max(share, waste)
+
+
+def choose(reference: dict, rows: list[dict], max_waste: float | None = None) -> dict:
+    """The row `tune` picks (see the module docstring)."""
+    if max_waste is None:
+        fits = [r for r in rows if r["capacity_share"] >= reference["capacity_share"]]
+        if fits:
+            return min(fits, key=lambda r: (r["waste_share"], -r["capacity_share"]))
+        return min(rows, key=lambda r: (distance(reference, r), r["waste_share"]))
+    fits = [r for r in rows if r["waste_share"] <= max_waste]
+    if fits:
+        return max(fits, key=lambda r: (r["capacity_share"], -r["waste_share"]))
+    return min(rows, key=lambda r: (r["waste_share"], -r["capacity_share"]))
+
+
+def dominates(reference: dict, row: dict) -> bool:
+    """The frontier's goal: at least `batch`'s share at no more than half its waste share."""
+    return distance(reference, row) <= 1
+
+
+def tune(workload: dict, seeds: int, max_waste: float | None = None,
+         progress: Callable[[str], None] | None = None) -> dict:
+    """Every setting measured, the one chosen and its `scheduler` fields."""
+    result = measure(workload, seeds, progress=progress)
+    chosen = choose(result["reference"], result["settings"], max_waste)
+    setting = next(s for s in SETTINGS if s.name == chosen["name"])
+    shown = ("slots", "groups", "batch_size", "median_ms", "sigma", "cap", "train_ms", "max_lag",
+             "steps", "seed", "call_at_end")
+    return {"workload": {k: workload[k] for k in shown} | {"seeds": seeds},
+            "goal": ("the least waste at batch's share or more" if max_waste is None
+                     else f"most share at a waste share of {max_waste:g} or less"),
+            **result, "chosen": chosen["name"],
+            "dominates_batch": dominates(result["reference"], chosen),
+            "scheduler": scheduler_fields(setting, workload)}
+
+
+def format_result(result: dict) -> str:
+    w, ref = result["workload"], result["reference"]
+    calls = "a session's last call" if w["call_at_end"] else "a session's first call"
+    lines = [f"workload: {w['slots']} slots, groups of {w['groups']}, {w['batch_size']} groups a step, "
+             f"sessions log-normal (median {w['median_ms']:g} ms, shape {w['sigma']:.3g}), trainer step "
+             f"{w['train_ms']:g} ms, max_lag {w['max_lag']} counted from {calls}; "
+             f"{w['steps']} simulated steps, seeds {w['seed']}..{w['seed'] + w['seeds'] - 1}",
+             f"goal: {result['goal']}",
+             f"{'setting':22s} {'share':>6s} {'waste':>6s} {'length':>6s} {'vs batch':>17s} {'distance':>8s}",
+             f"{'batch (oversample 2)':22s} {ref['capacity_share']:6.3f} {ref['waste_share']:6.3f} "
+             f"{ref['trained_length_vs_workload']:6.2f}"]
+    for r in result["settings"]:
+        mark = "*" if r["name"] == result["chosen"] else " "
+        vs = f"{r['share_vs_batch']:.3f}x / {r['waste_vs_batch']:.3f}x" if r["waste_vs_batch"] is not None else "-"
+        lines.append(f"{mark}{r['name']:21s} {r['capacity_share']:6.3f} {r['waste_share']:6.3f} "
+                     f"{r['trained_length_vs_workload']:6.2f} {vs:>17s} {r['distance']:8.3f}")
+    verdict = "meets" if result["dominates_batch"] else "does not meet"
+    lines += [f"chosen: {result['chosen']}; it {verdict} the frontier's goal (at least batch's share "
+              "at no more than half its waste share)",
+              "scheduler fields to merge into the trainer's and every admission consumer's config:",
+              "  scheduler: " + json.dumps(result["scheduler"])]
+    return "\n".join(lines)
+
+
+def _workload(args: argparse.Namespace) -> dict:
+    if args.max_lag < 1:
+        raise ConfigError(f"--max-lag must be >= 1 (got {args.max_lag})")
+    if args.seeds < 1 or args.steps < 1:
+        raise ConfigError(f"--seeds and --steps must be >= 1 (got {args.seeds} and {args.steps})")
+    if args.max_waste is not None and not 0 <= args.max_waste < 1:
+        raise ConfigError(f"--max-waste must be in [0, 1) (got {args.max_waste:g})")
+    sigma = args.sigma
+    if args.p90_ms is not None:
+        if sigma is not None:
+            raise ConfigError("--sigma and --p90-ms: give one (the shape, or the p90 it comes from)")
+        sigma = sigma_from_quantiles(args.median_ms, args.p90_ms)
+    for name in ("slots", "groups", "batch_size", "median_ms"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name):g})")
+    if args.train_ms < 0:
+        raise ConfigError(f"--train-ms must be >= 0 (got {args.train_ms:g})")
+    if sigma is not None and sigma <= 0:
+        raise ConfigError(f"--sigma must be > 0 (got {sigma:g})")
+    workload = workload_for(False, slots=args.slots, procs=1, groups=args.groups,
+                            batch_size=args.batch_size, median_ms=args.median_ms, sigma=sigma,
+                            train_ms=args.train_ms, steps=args.steps, seed=args.seed,
+                            ahead=args.max_lag, max_lag=args.max_lag)
+    return {**workload, "call_at_end": args.calls == "end"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollstream tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-lag", type=int, required=True, help="the run's max_lag (ahead is set to it)")
+    p.add_argument("--slots", type=int, default=256,
+                   help="session slots serving the shard: all consumers' slots over the shards (default 256)")
+    p.add_argument("--groups", type=int, default=8, help="samples per group (default 8)")
+    p.add_argument("--batch-size", type=int, default=32, help="groups (tasks) per step (default 32)")
+    p.add_argument("--median-ms", type=float, default=1000.0,
+                   help="the sessions' median (p50) in milliseconds (default 1000)")
+    p.add_argument("--sigma", type=float, help="the sessions' log-normal shape (default 1)")
+    p.add_argument("--p90-ms", type=float, help="the sessions' p90 in milliseconds, instead of --sigma: "
+                   "sigma = ln(p90 / p50) / 1.28 (the dashboard's Session duration panel)")
+    p.add_argument("--train-ms", type=float, default=20.0,
+                   help="the trainer's step, from the rows' arrival to its push (default 20)")
+    p.add_argument("--calls", choices=("end", "start"), default="end",
+                   help="when a session's staleness starts: its one call as it ends, as SleepSource "
+                   "(end, the default), or a first call at once, as an agent's (start)")
+    p.add_argument("--max-waste", type=float,
+                   help="pick the setting that trains most at this waste share or less (default: the "
+                   "least waste at batch's share or more)")
+    p.add_argument("--steps", type=int, default=100, help="simulated steps per run (default 100)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per setting, seeds --seed on (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    workload = _workload(args)
+
+    def progress(name: str) -> None:
+        print(f"  simulating {name}", file=sys.stderr, flush=True)
+
+    result = tune(workload, args.seeds, args.max_waste, None if args.json else progress)
+    print(json.dumps(result) if args.json else format_result(result))
+    return 0

@@ -1,0 +1,125 @@
+"""`rollstream tune`: every stream setting simulated on the workload given, one chosen by the
+frontier's rule, its scheduler fields valid where a user puts them."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import AdmissionConfig, load
+from rollstream import tune
+from rollstream.bench_schedule import simulate_policy, workload_for
+from rollstream.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "local"
+SMALL = ["--slots", "32", "--groups", "4", "--batch-size", "4", "--steps", "10", "--seeds", "1"]
+
+
+def _row(name, share, waste):
+    return {"name": name, "capacity_share": share, "waste_share": waste}
+
+
+def test_the_shape_from_the_quantiles_gives_back_their_ratio():
+    sigma = tune.sigma_from_quantiles(1000.0, 1000.0 * math.exp(1.2815515655446004))
+    assert sigma == pytest.approx(1.0)
+    rng = random.Random(0)
+    draws = sorted(rng.lognormvariate(0.0, 0.7) for _ in range(40_000))
+    p50, p90 = draws[len(draws) // 2], draws[int(len(draws) * 0.9)]
+    assert tune.sigma_from_quantiles(p50, p90) == pytest.approx(0.7, rel=0.03)
+
+
+def test_the_least_waste_at_batchs_share_or_more_is_chosen():
+    ref = {"capacity_share": 0.6, "waste_share": 0.34}
+    rows = [_row("a", 0.59, 0.10), _row("b", 0.61, 0.25), _row("c", 0.70, 0.20), _row("d", 0.60, 0.30)]
+    assert tune.choose(ref, rows)["name"] == "c" and not tune.dominates(ref, rows[2])
+    assert tune.dominates(ref, _row("e", 0.62, 0.17)) and not tune.dominates(ref, _row("f", 0.59, 0.17))
+
+
+def test_below_batchs_share_the_setting_nearest_the_goal_is_chosen():
+    ref = {"capacity_share": 0.6, "waste_share": 0.34}
+    rows = [_row("a", 0.59, 0.30), _row("b", 0.51, 0.17), _row("c", 0.55, 0.19)]
+    # distances: a 1.765 (waste over half batch's), b 1.176 (share short), c 1.118
+    assert [round(tune.distance(ref, r), 3) for r in rows] == [1.765, 1.176, 1.118]
+    assert tune.choose(ref, rows)["name"] == "c"
+
+
+def test_a_waste_cap_takes_the_most_share_within_it_or_else_the_least_waste():
+    ref = {"capacity_share": 0.6, "waste_share": 0.34}
+    rows = [_row("a", 0.59, 0.10), _row("b", 0.65, 0.12), _row("c", 0.70, 0.20)]
+    assert tune.choose(ref, rows, max_waste=0.12)["name"] == "b"
+    assert tune.choose(ref, rows, max_waste=0.05)["name"] == "a"
+
+
+def test_tune_reports_every_setting_as_simulate_would_and_picks_by_its_rule(capsys):
+    assert main(["tune", "--max-lag", "1", *SMALL, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in result["settings"]] == [s.name for s in tune.SETTINGS]
+    ref, rows = result["reference"], result["settings"]
+    chosen = next(r for r in rows if r["name"] == result["chosen"])
+    assert chosen == tune.choose(ref, rows)
+    assert result["dominates_batch"] == tune.dominates(ref, chosen)
+    # one place per fact: a setting's figures are the simulation's on that config
+    w = workload_for(False, slots=32, procs=1, groups=4, batch_size=4, steps=10, ahead=1, max_lag=1,
+                     median_ms=1000.0)
+    setting = tune.SETTINGS[5]
+    alone = simulate_policy("stream", {**w, "stream_config": setting.fields, "inflight": 32})
+    assert rows[5]["capacity_share"] == alone["capacity_share"]
+    assert rows[5]["waste_share"] == alone["waste_share"]
+    assert ref["capacity_share"] == simulate_policy("batch", w)["capacity_share"]
+
+
+def test_the_chosen_fields_make_a_valid_admission_config(tmp_path):
+    w = {**workload_for(False, slots=256, procs=1, ahead=2, max_lag=2), "call_at_end": True}
+    handover = next(s for s in tune.SETTINGS if s.name == "handover-1.5x/finish")
+    fields = tune.scheduler_fields(handover, w)
+    assert fields["admission"] == "stream" and fields["max_lag"] == fields["ahead"] == 2
+    assert fields["inflight_samples"] == 384 and fields["group_start"] == "handover"
+    small = tune.scheduler_fields(handover, {**w, "groups": 4, "batch_size": 8})
+    assert (small["groups"], small["batch_size"], small["admit"]) == (4, 8, 8)  # defaults kept: merged over a config
+    assert "sync_every" not in small and "backfill" not in small
+    text = (EXAMPLES / "admission.yaml").read_text()
+    config = tmp_path / "admission.yaml"
+    config.write_text(text.replace("{groups: 16, ahead: 1, max_lag: 1, sync_every: 1,",
+                                   "{" + json.dumps(fields)[1:-1] + ", sync_every: 1,"))
+    scheduler = load(AdmissionConfig, config).scheduler
+    assert (scheduler.admission, scheduler.replace_ahead, scheduler.inflight_samples) == ("stream", 0.55, 384)
+
+
+def test_a_session_versioned_at_its_start_makes_running_work_past_the_bound_waste():
+    """With a first call at once, a sample left to finish past the bound is stale however it
+    ends, so `stale_running: finish` wastes more than where the one call comes at the end."""
+    w = workload_for(False, slots=64, procs=1, groups=4, batch_size=8, steps=30, ahead=1, max_lag=1,
+                     stream_config={"stale_running": "finish"})
+    at_end = simulate_policy("stream", {**w, "call_at_end": True})
+    at_start = simulate_policy("stream", {**w, "call_at_end": False})
+    assert at_start["waste_share"] > at_end["waste_share"] + 0.05
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--max-lag", "0"], "--max-lag"),
+    (["--max-lag", "1", "--sigma", "1", "--p90-ms", "3000"], "--sigma and --p90-ms"),
+    (["--max-lag", "1", "--p90-ms", "500"], "--p90-ms must exceed --median-ms"),
+    (["--max-lag", "1", "--max-waste", "1.5"], "--max-waste"),
+    (["--max-lag", "1", "--slots", "0"], "--slots"),
+])
+def test_bad_options_fail_at_once_naming_them(args, named, capsys):
+    assert main(["tune", *args]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_command_is_listed(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "tune" in capsys.readouterr().out
+
+
+def test_the_options_reach_the_simulated_workload():
+    args = tune.parser().parse_args(["--max-lag", "2", "--calls", "start", "--median-ms", "2000",
+                                     "--p90-ms", "4000", "--slots", "96", "--train-ms", "500"])
+    w = tune._workload(args)
+    assert w["call_at_end"] is False and w["max_lag"] == w["ahead"] == 2
+    assert w["sigma"] == pytest.approx(math.log(2) / 1.2815515655446004)
+    assert (w["slots"], w["median_ms"], w["train_ms"]) == (96, 2000.0, 500.0)
+    assert tune._workload(tune.parser().parse_args(["--max-lag", "1"]))["call_at_end"] is True

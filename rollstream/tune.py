@@ -18,7 +18,9 @@ trainer step time and `max_lag` given, and picks one:
   wastes that little, the one that wastes least.
 
 It prints every setting's figures and the chosen one's `scheduler` fields, to merge into the
-`scheduler` section of the trainer's config and every admission consumer's.
+`scheduler` section of the trainer's config and every admission consumer's. The workload
+comes from the options, or from a running pipeline's Prometheus (`--prometheus`,
+`rollstream.session_shape`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pipeline.config import SchedulerConfig, build
 from pipeline.errors import ConfigError
 from rollstream.bench_schedule import policy_config, simulate_policy, workload_for
+from rollstream.session_shape import ENDED, from_prometheus
 
 Z90 = 1.2815515655446004
 """The standard normal's 0.9 quantile: a log-normal's p90 over its p50 is exp(sigma x Z90)."""
@@ -159,7 +162,8 @@ def tune(workload: dict, seeds: int, max_waste: float | None = None,
     setting = next(s for s in SETTINGS if s.name == chosen["name"])
     shown = ("slots", "groups", "batch_size", "median_ms", "sigma", "cap", "train_ms", "max_lag",
              "steps", "seed", "call_at_end")
-    return {"workload": {k: workload[k] for k in shown} | {"seeds": seeds},
+    return {"workload": {k: workload[k] for k in shown} | {"seeds": seeds}
+            | ({"read": workload["read"]} if "read" in workload else {}),
             "goal": ("the least waste at batch's share or more" if max_waste is None
                      else f"most share at a waste share of {max_waste:g} or less"),
             **result, "chosen": chosen["name"],
@@ -174,6 +178,7 @@ def format_result(result: dict) -> str:
              f"sessions log-normal (median {w['median_ms']:g} ms, shape {w['sigma']:.3g}), trainer step "
              f"{w['train_ms']:g} ms, max_lag {w['max_lag']} counted from {calls}; "
              f"{w['steps']} simulated steps, seeds {w['seed']}..{w['seed'] + w['seeds'] - 1}",
+             *_read_line(w.get("read")),
              f"goal: {result['goal']}",
              f"{'setting':22s} {'share':>6s} {'waste':>6s} {'length':>6s} {'vs batch':>17s} {'distance':>8s}",
              f"{'batch (oversample 2)':22s} {ref['capacity_share']:6.3f} {ref['waste_share']:6.3f} "
@@ -191,45 +196,68 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
+DEFAULTS = {"slots": 256, "median_ms": 1000.0, "sigma": 1.0, "train_ms": 20.0}
+"""The workload where neither an option nor `--prometheus` gives it (`bench schedule`'s
+frontier workload)."""
+
+
+def _read_line(read: dict | None) -> list[str]:
+    if not read:
+        return []
+    cut = sum(n for status, n in read["sessions"].items() if status not in ENDED)
+    train = "no trainer series" if read["train_ms"] is None else f"step and push {read['train_ms']:g} ms"
+    return [f"read from {read['url']} over {read['window']}: {sum(read['sessions'].values())} sessions "
+            f"({cut} cut short), median {read['median_ms']:g} ms, shape {read['sigma']:.3g}; "
+            f"{read['slots']} slots a shard over {read['shards']} shard(s); {train} "
+            "(options given explicitly win)"]
+
+
 def _workload(args: argparse.Namespace) -> dict:
+    """The workload to tune on: each option given, else what `--prometheus` read, else
+    `DEFAULTS`; with `read`, what was read."""
     if args.max_lag < 1:
         raise ConfigError(f"--max-lag must be >= 1 (got {args.max_lag})")
     if args.seeds < 1 or args.steps < 1:
         raise ConfigError(f"--seeds and --steps must be >= 1 (got {args.seeds} and {args.steps})")
     if args.max_waste is not None and not 0 <= args.max_waste < 1:
         raise ConfigError(f"--max-waste must be in [0, 1) (got {args.max_waste:g})")
-    sigma = args.sigma
+    if args.sigma is not None and args.p90_ms is not None:
+        raise ConfigError("--sigma and --p90-ms: give one (the shape, or the p90 it comes from)")
+    read = from_prometheus(args.prometheus, args.window) if args.prometheus else {}
+    value = {k: next(v for v in (getattr(args, k), read.get(k), default) if v is not None)
+             for k, default in DEFAULTS.items()}
     if args.p90_ms is not None:
-        if sigma is not None:
-            raise ConfigError("--sigma and --p90-ms: give one (the shape, or the p90 it comes from)")
-        sigma = sigma_from_quantiles(args.median_ms, args.p90_ms)
-    for name in ("slots", "groups", "batch_size", "median_ms"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name):g})")
-    if args.train_ms < 0:
-        raise ConfigError(f"--train-ms must be >= 0 (got {args.train_ms:g})")
-    if sigma is not None and sigma <= 0:
-        raise ConfigError(f"--sigma must be > 0 (got {sigma:g})")
-    workload = workload_for(False, slots=args.slots, procs=1, groups=args.groups,
-                            batch_size=args.batch_size, median_ms=args.median_ms, sigma=sigma,
-                            train_ms=args.train_ms, steps=args.steps, seed=args.seed,
-                            ahead=args.max_lag, max_lag=args.max_lag)
-    return {**workload, "call_at_end": args.calls == "end"}
+        value["sigma"] = sigma_from_quantiles(value["median_ms"], args.p90_ms)
+    for name in ("slots", "groups", "batch_size", "median_ms", "sigma"):
+        given = value.get(name, getattr(args, name))
+        if given <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {given:g})")
+    if value["train_ms"] < 0:
+        raise ConfigError(f"--train-ms must be >= 0 (got {value['train_ms']:g})")
+    workload = workload_for(False, procs=1, groups=args.groups, batch_size=args.batch_size,
+                            steps=args.steps, seed=args.seed, ahead=args.max_lag,
+                            max_lag=args.max_lag, **value)
+    return {**workload, "call_at_end": args.calls == "end", **({"read": read} if read else {})}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollstream tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--max-lag", type=int, required=True, help="the run's max_lag (ahead is set to it)")
-    p.add_argument("--slots", type=int, default=256,
+    p.add_argument("--prometheus", metavar="URL",
+                   help="read the sessions' shape (a log-normal fit in which cancelled sessions count as "
+                   "cut short), the slots per shard and the trainer's step and push from the run's "
+                   "Prometheus, over --window; an option given explicitly wins over what is read")
+    p.add_argument("--window", default="1h", help="--prometheus: the PromQL range read (default 1h)")
+    p.add_argument("--slots", type=int,
                    help="session slots serving the shard: all consumers' slots over the shards (default 256)")
     p.add_argument("--groups", type=int, default=8, help="samples per group (default 8)")
     p.add_argument("--batch-size", type=int, default=32, help="groups (tasks) per step (default 32)")
-    p.add_argument("--median-ms", type=float, default=1000.0,
+    p.add_argument("--median-ms", type=float,
                    help="the sessions' median (p50) in milliseconds (default 1000)")
     p.add_argument("--sigma", type=float, help="the sessions' log-normal shape (default 1)")
     p.add_argument("--p90-ms", type=float, help="the sessions' p90 in milliseconds, instead of --sigma: "
-                   "sigma = ln(p90 / p50) / 1.28 (the dashboard's Session duration panel)")
-    p.add_argument("--train-ms", type=float, default=20.0,
+                   "sigma = ln(p90 / p50) / 1.28, of sessions that ran to their end (--prometheus fits it)")
+    p.add_argument("--train-ms", type=float,
                    help="the trainer's step, from the rows' arrival to its push (default 20)")
     p.add_argument("--calls", choices=("end", "start"), default="end",
                    help="when a session's staleness starts: its one call as it ends, as SleepSource "

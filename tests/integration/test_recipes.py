@@ -48,6 +48,8 @@ from tests.conftest import ROOT
 from trainer.run_config import RunConfig, TrainerConfig
 from trainer.main import batches
 from domain.model import TinyTransformer
+from rollstream.prometheus import Prometheus
+from tests.integration.run_metrics import SLOTS, scraped_run
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 SERVER = pytest.mark.parametrize("redis_url", ["server"], indirect=True)
@@ -57,7 +59,8 @@ EXAMPLES = ROOT / "examples"
 CHECKED = {"bash", "sh", "shell", "console", "yaml", "yml", "json"}
 COMMANDS = ("rollstream ", "python", "torchrun ", "deepspeed ", "helm ", "docker ", "kubectl ", "redis-", "pip ", "cd ")
 MARK = re.compile(r"^<!--\s*(recipe|file|config|not run):\s*(.+?)\s*-->$")
-RECIPES = {"demo", "local", "two_ranks", "harness", "hf_prompts", "chart_run", "vllm"}
+RECIPES = {"demo", "local", "two_ranks", "harness", "hf_prompts", "chart_run", "vllm", "tune",
+           "tune_prometheus"}
 MODELS = {"RunConfig": RunConfig, "TrainerConfig": TrainerConfig, "AdmissionConfig": AdmissionConfig,
           "ConsumerConfig": ConsumerConfig}
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -385,6 +388,38 @@ def test_hf_prompts_recipe(tmp_path, redis_url, namespace, r, keys):
     tensors = decode(*published.fetch(1), 1, published.location(1))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     model.load_state_dict(tensors, strict=True)
+
+
+def _tuned(output: str, max_lag: int) -> dict:
+    """The scheduler fields `rollstream tune` printed last; they validate as a scheduler."""
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("  scheduler: "), output[-2000:]
+    fields = json.loads(last.removeprefix("  scheduler: "))
+    assert fields["admission"] == "stream" and fields["max_lag"] == max_lag
+    build(AdmissionConfig, {"redis": {"url": DEFAULT_URL}, "scheduler": fields})
+    return fields
+
+
+def test_tune_recipe(tmp_path):
+    """docs/operations.md: the stream setting for a workload given by hand (fewer steps)."""
+    subs = {"--train-ms 30000": "--train-ms 30000 --steps 3 --seeds 1"}
+    with recipe("tune", tmp_path, subs) as run:
+        pass
+    assert "sessions log-normal (median 40000 ms, shape 1.08)" in run.outputs[-1], run.outputs[-1]
+    assert _tuned(run.outputs[-1], 2)["batch_size"] == 64
+
+
+@pytest.mark.skipif(not Prometheus.available(), reason="no prometheus binary (Debian's prometheus package)")
+def test_tune_prometheus_recipe(tmp_path):
+    """docs/operations.md: the same, the workload read from a run's Prometheus (a real one,
+    scraping real /metrics endpoints fed known sessions; fewer steps)."""
+    with scraped_run(tmp_path / "prometheus") as fed:
+        subs = {"http://prometheus:9090": f"{fed.url} --window 5m --steps 3 --seeds 1"}
+        with recipe("tune_prometheus", tmp_path, subs) as run:
+            pass
+    assert f"read from {fed.url} over 5m: " in run.outputs[-1], run.outputs[-1]
+    assert f"workload: {sum(SLOTS)} slots" in run.outputs[-1]
+    _tuned(run.outputs[-1], 2)
 
 
 def test_chart_run_recipe(tmp_path):

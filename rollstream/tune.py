@@ -256,7 +256,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the sessions' median (p50) in milliseconds (default 1000)")
     p.add_argument("--sigma", type=float, help="the sessions' log-normal shape (default 1)")
     p.add_argument("--p90-ms", type=float, help="the sessions' p90 in milliseconds, instead of --sigma: "
-                   "sigma = ln(p90 / p50) / 1.28, of sessions that ran to their end (--prometheus fits it)")
+                   "sigma = ln(p90 / p50) / 1.28, of the sessions' lengths uncut (--prometheus fits it)")
     p.add_argument("--train-ms", type=float,
                    help="the trainer's step, from the rows' arrival to its push (default 20)")
     p.add_argument("--calls", choices=("end", "start"), default="end",

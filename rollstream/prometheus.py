@@ -27,7 +27,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import CommandError
+
 DASHBOARD = Path(__file__).resolve().parents[1] / "helm/rollstream/dashboards/rollstream.json"
+
+
+def api(url: str, path: str, params: dict[str, Any], timeout_s: float = 10.0) -> list[dict]:
+    """The `result` of Prometheus's HTTP API `path` (`query`, `query_range`) at `url` with
+    `params`; a server that does not answer, or refuses (its JSON error), is a CommandError
+    naming `url`."""
+    address = f"{url.rstrip('/')}/api/v1/{path}?" + urllib.parse.urlencode(params)
+    try:
+        with urllib.request.urlopen(address, timeout=timeout_s) as reply:  # noqa: S310 (a Prometheus URL)
+            body = reply.read()
+    except urllib.error.HTTPError as exc:  # 4xx/5xx: the API says why in its JSON body
+        body = exc.read()
+    except OSError as exc:
+        raise CommandError(f"Prometheus at {url} did not answer {params}: {exc}") from None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise CommandError(f"Prometheus at {url} answered {path} with no JSON: {body[:200]!r}") from None
+    if data.get("status") != "success":
+        raise CommandError(f"Prometheus at {url} refused {params}: {data.get('error', data)}")
+    return data["data"]["result"]
 
 
 def free_port() -> int:
@@ -104,14 +127,12 @@ class Prometheus:
                 raise TimeoutError(f"waited {timeout_s}s for {what}")
             time.sleep(0.2)
 
-    def _api(self, path: str, params: dict[str, Any]) -> Any:
-        body = self._get(f"/api/v1/{path}?" + urllib.parse.urlencode(params))
-        if body is None:
-            raise RuntimeError(f"{path} failed: {params}")
-        reply = json.loads(body)
-        if reply.get("status") != "success":
-            raise RuntimeError(f"{path} {params}: {reply}")
-        return reply["data"]["result"]
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _api(self, path: str, params: dict[str, Any]) -> list[dict]:
+        return api(self.url, path, params)
 
     def query(self, expr: str) -> list[dict]:
         """The instant-vector result of `expr` now (empty when there is no data)."""
@@ -122,6 +143,14 @@ class Prometheus:
         `[{"metric": {...}, "values": [[t, "v"], ...]}, ...]`."""
         return self._api("query_range", {"query": expr, "start": f"{start:.3f}",
                                          "end": f"{end:.3f}", "step": f"{step_s:g}"})
+
+    def scraped_since(self, t: float) -> bool:
+        """Every target has been scraped at or after `t` (unix seconds)."""
+        scrapes = self.query('timestamp(up{job="rollstream"})')
+        return len(scrapes) == len(self.targets) and all(float(s["value"][1]) >= t for s in scrapes)
+
+    def wait_scraped_since(self, t: float, timeout_s: float = 30) -> None:
+        self._wait(lambda: self.scraped_since(t), timeout_s, f"every target to be scraped after {t}")
 
     def wait_scraped(self, timeout_s: float = 30) -> None:
         """Until every target has been scraped successfully at least once."""

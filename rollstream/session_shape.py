@@ -19,14 +19,11 @@ the trainer's step and push (`rollstream_trainer_step_seconds`,
 
 from __future__ import annotations
 
-import json
 import math
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 
 from pipeline.errors import CommandError
+from rollstream.prometheus import api
 
 ENDED = ("completed", "truncated", "agent_error")
 """Statuses of sessions that ran to their own end: observed lengths."""
@@ -113,15 +110,7 @@ def fit_lognormal(ended: Intervals, cut: Intervals) -> tuple[float, float]:
 
 
 def _query(url: str, expr: str, timeout_s: float) -> list[dict]:
-    address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(address, timeout=timeout_s) as reply:  # noqa: S310 (the user's URL)
-            body = json.loads(reply.read())
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise CommandError(f"Prometheus at {url} did not answer {expr!r}: {exc}") from None
-    if body.get("status") != "success":
-        raise CommandError(f"Prometheus at {url} refused {expr!r}: {body.get('error', body)}")
-    return body["data"]["result"]
+    return api(url, "query", {"query": expr}, timeout_s)
 
 
 def _scalar(url: str, expr: str, timeout_s: float) -> float | None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pipeline.config import SchedulerConfig, build
 from pipeline.errors import ConfigError
-from rollstream.bench_schedule import policy_config, simulate_policy, workload_for
+from rollstream.bench_schedule import mean_over_seeds, policy_config, simulate_policy, workload_for
 from rollstream.session_shape import ENDED, from_prometheus
 
 Z90 = 1.2815515655446004
@@ -95,20 +95,14 @@ def scheduler_fields(setting: Setting, workload: dict) -> dict:
             if k in fields and (k not in ("sync_every", "backfill") or v != getattr(defaults, k))}
 
 
-def _mean(runs: list[dict]) -> dict:
-    out = {k: round(sum(r[k] for r in runs) / len(runs), 4) for k in FIGURES if k != "lag_max"}
-    out["lag_max"] = max(r["lag_max"] for r in runs)
-    out["per_seed"] = {k: [r[k] for r in runs] for k in ("capacity_share", "waste_share")}
-    return out
-
-
 def measure(workload: dict, seeds: int, run: Callable[[str, dict], dict] = simulate_policy,
             settings: Sequence[Setting] = SETTINGS, progress: Callable[[str], None] | None = None) -> dict:
     """`batch` and every setting on `workload`, each the mean over `seeds` seeds from the
     workload's; per setting also its share and waste share over `batch`'s."""
     def over_seeds(name: str, stream: dict | None = None, inflight: int | None = None) -> dict:
-        return _mean([run(name, {**workload, "seed": workload["seed"] + k, "stream_config": stream,
-                                 "inflight": inflight}) for k in range(seeds)])
+        mean = mean_over_seeds([run(name, {**workload, "seed": workload["seed"] + k, "stream_config": stream,
+                                           "inflight": inflight}) for k in range(seeds)])
+        return {k: mean[k] for k in (*FIGURES, "per_seed") if k in mean}
 
     reference = over_seeds("batch")
     rows = []
@@ -249,16 +243,17 @@ def parser() -> argparse.ArgumentParser:
                    "Prometheus, over --window; an option given explicitly wins over what is read")
     p.add_argument("--window", default="1h", help="--prometheus: the PromQL range read (default 1h)")
     p.add_argument("--slots", type=int,
-                   help="session slots serving the shard: all consumers' slots over the shards (default 256)")
+                   help="session slots serving the shard: all consumers' slots over the shards "
+                   f"(default {DEFAULTS['slots']})")
     p.add_argument("--groups", type=int, default=8, help="samples per group (default 8)")
     p.add_argument("--batch-size", type=int, default=32, help="groups (tasks) per step (default 32)")
     p.add_argument("--median-ms", type=float,
-                   help="the sessions' median (p50) in milliseconds (default 1000)")
-    p.add_argument("--sigma", type=float, help="the sessions' log-normal shape (default 1)")
+                   help=f"the sessions' median (p50) in milliseconds (default {DEFAULTS['median_ms']:g})")
+    p.add_argument("--sigma", type=float, help=f"the sessions' log-normal shape (default {DEFAULTS['sigma']:g})")
     p.add_argument("--p90-ms", type=float, help="the sessions' p90 in milliseconds, instead of --sigma: "
                    "sigma = ln(p90 / p50) / 1.28, of the sessions' lengths uncut (--prometheus fits it)")
     p.add_argument("--train-ms", type=float,
-                   help="the trainer's step, from the rows' arrival to its push (default 20)")
+                   help=f"the trainer's step, from the rows' arrival to its push (default {DEFAULTS['train_ms']:g})")
     p.add_argument("--calls", choices=("end", "start"), default="end",
                    help="when a session's staleness starts: its one call as it ends, as SleepSource "
                    "(end, the default), or a first call at once, as an agent's (start)")

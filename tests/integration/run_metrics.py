@@ -28,17 +28,6 @@ class Fed:
     statuses: list[str]
 
 
-def _scraped_after(prom: Prometheus, t: float, targets: int, timeout_s: float = 30.0) -> None:
-    """Until Prometheus has scraped every target at a time after `t` (unix seconds)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        up = prom.query('timestamp(up{job="rollstream"})')
-        if len(up) == targets and all(float(s["value"][1]) > t for s in up):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not every target was scraped after {t}")
-
-
 @contextlib.contextmanager
 def scraped_run(folder: Path, sessions: int = 20_000) -> Iterator[Fed]:
     """A Prometheus that has scraped `sessions` sessions, the slots and ten trainer steps."""
@@ -52,7 +41,7 @@ def scraped_run(folder: Path, sessions: int = 20_000) -> Iterator[Fed]:
     try:
         with Prometheus(folder, [f"127.0.0.1:{s.port}" for s in servers]) as prom:
             prom.wait_scraped()
-            _scraped_after(prom, time.time(), len(servers))
+            prom.wait_scraped_since(time.time())
             rng = random.Random(0)
             durations = [rng.lognormvariate(math.log(MEDIAN_S), SIGMA) for _ in range(sessions)]
             statuses = ["completed" if d <= CUT_S else "cancelled" for d in durations]
@@ -60,8 +49,8 @@ def scraped_run(folder: Path, sessions: int = 20_000) -> Iterator[Fed]:
             for version in range(2, 12):
                 trainer.observe_train(0, step_s=STEP_S, tokens=1, metrics={})
                 trainer.observe_push(version, PUSH_S)
-            _scraped_after(prom, time.time(), len(servers))
-            yield Fed(f"http://127.0.0.1:{prom.port}", statuses)
+            prom.wait_scraped_since(time.time())
+            yield Fed(prom.url, statuses)
     finally:
         for s in servers:
             s.stop()

@@ -39,12 +39,6 @@ OWNER = {
 STEPS = 12  # trainer steps seen before the checks
 
 
-def _scraped_since(prom: Prometheus, t: float, targets: int) -> bool:
-    """Prometheus has scraped each of the `targets` at or after time `t` (seconds)."""
-    scrapes = prom.query('timestamp(up{job="rollstream"})')
-    return len(scrapes) == targets and all(float(s["value"][1]) >= t for s in scrapes)
-
-
 def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -89,7 +83,7 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
                 time.sleep(0.1)
             prom.wait_scraped()
             done = time.time()
-            while not _scraped_since(prom, done + 2, len(role)):  # a few scrapes past the checked steps
+            while not prom.scraped_since(done + 2):  # a few scrapes past the checked steps
                 assert time.monotonic() < deadline + 30, "Prometheus stopped scraping"
                 time.sleep(0.1)
 

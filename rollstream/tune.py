@@ -11,11 +11,18 @@ trainer step time and `max_lag` given, and picks one:
 
 - by default (the frontier's goal: at least `batch`'s share of the capacity bound at no more
   than half its waste share), the setting with the least waste share among those that
-  train at least `batch`'s share; if none does, the one nearest the goal: the least of the
+  train at least `batch`'s share (waste shares within half a hundredth of the least count
+  as equal, and then the most share wins); if none does, the one nearest the goal: the least of the
   larger of two ratios, `batch`'s share over the setting's and the setting's waste share
   over half `batch`'s (`distance`);
-- with `--max-waste W`, the setting that trains most at a waste share of at most W; if none
-  wastes that little, the one that wastes least.
+- with `--max-waste W`, the setting that trains most at a waste share of at most W (shares
+  within half a hundredth of the most count as equal, and then the least waste wins); if
+  none wastes that little, the one that wastes least.
+
+Where the pick has a knob (`KNOBS`), `tune` then tries the knob's values halfway to the
+nearest tried on either side, or one step past the grid's end (`neighbours`), and picks
+again from all the settings tried (`--refine` rounds). The simulations run in worker
+processes (`rollstream.sim_workers`, `--jobs`), with the same figures as in one process.
 
 It prints every setting's figures and the chosen one's `scheduler` fields, to merge into the
 `scheduler` section of the trainer's config and every admission consumer's. The workload
@@ -34,8 +41,9 @@ from dataclasses import dataclass
 
 from pipeline.config import SchedulerConfig, build
 from pipeline.errors import ConfigError
-from rollstream.bench_schedule import mean_over_seeds, policy_config, simulate_policy, workload_for
+from rollstream.bench_schedule import mean_over_seeds, policy_config, workload_for
 from rollstream.session_shape import ENDED, from_prometheus
+from rollstream.sim_workers import default_workers, run_simulations
 
 Z90 = 1.2815515655446004
 """The standard normal's 0.9 quantile: a log-normal's p90 over its p50 is exp(sigma x Z90)."""
@@ -47,33 +55,79 @@ FIGURES = ("capacity_share", "waste_share", "trained_length_vs_workload", "lag_m
 @dataclass(frozen=True)
 class Setting:
     """A stream setting: `scheduler` fields over the stream policy's (`policy_config`), and
-    the samples kept in flight as a multiple of the slots."""
+    the samples kept in flight as a multiple of the slots; `family` and `value` name the
+    knob it was made from (`KNOBS`), where it has one."""
 
     name: str
     fields: dict
     inflight: float = 1.0
+    family: str = ""
+    value: float | None = None
 
     def inflight_samples(self, workload: dict) -> int:
         return max(workload["groups"], round(self.inflight * workload["slots"]))
 
 
+@dataclass(frozen=True)
+class Knob:
+    """A family of settings over one knob: `replace_ahead`, or the samples in flight as a
+    multiple of the slots; `grid` is what `tune` tries first, `top` the knob's largest valid
+    value (None: unbounded)."""
+
+    fields: dict
+    grid: tuple[float, ...]
+    top: float | None
+
+    def setting(self, family: str, value: float, stale: str) -> Setting:
+        value = round(value, 4)
+        fields = {**self.fields, "stale_running": stale}
+        if family == "replace":
+            return Setting(f"replace-{value:g}/{stale}", {**fields, "replace_ahead": value}, family=family, value=value)
+        return Setting(f"{family}-{value:g}x/{stale}", fields, value, family, value)
+
+
 _REPLACE = {"oversample": 4, "oversample_start": "replace"}
-_FAMILIES = (
+KNOBS = {"replace": Knob(_REPLACE, (0.2, 0.3, 0.4, 0.55, 0.7, 0.85), 1.0),
+         "handover": Knob({**_REPLACE, "replace_ahead": 0.55, "group_start": "handover"},
+                          (1.1, 1.2, 1.3, 1.4, 1.5, 1.7), None)}
+STALE = ("cancel", "finish")
+_PLAIN = (
     Setting("plain", {}),
     Setting("oversample-1", {"oversample": 1}),
     Setting("backups", {"oversample": 1, "oversample_start": "straggler"}),
     Setting("backups-2", {"oversample": 2, "oversample_start": "straggler"}, 1.06),
-    *(Setting(f"replace-{ahead:g}", {**_REPLACE, "replace_ahead": ahead})
-      for ahead in (0.2, 0.3, 0.4, 0.55, 0.7, 0.85)),
-    *(Setting(f"handover-{inflight:g}x", {**_REPLACE, "replace_ahead": 0.55, "group_start": "handover"},
-              inflight) for inflight in (1.1, 1.2, 1.3, 1.4, 1.5, 1.7)),
 )
-SETTINGS = tuple(Setting(f"{s.name}/{stale}", {**s.fields, "stale_running": stale}, s.inflight)
-                 for s in _FAMILIES for stale in ("cancel", "finish"))
-"""What `tune` tries: the families the frontier kept or measured (BENCHMARKS.md, "The
+SETTINGS = (*(Setting(f"{s.name}/{stale}", {**s.fields, "stale_running": stale}, s.inflight)
+              for s in _PLAIN for stale in STALE),
+            *(knob.setting(family, value, stale)
+              for family, knob in KNOBS.items() for value in knob.grid for stale in STALE))
+"""What `tune` tries first: the families the frontier kept or measured (BENCHMARKS.md, "The
 staleness-throughput-waste frontier"), over their knobs (`replace_ahead` for replacements,
 the samples in flight for groups started at handovers), each with running work past the
 bound cancelled and left to finish."""
+
+
+def neighbours(chosen: Setting, tried: Sequence[Setting]) -> list[Setting]:
+    """The settings `tune` tries next around `chosen`: in its family and `stale_running`, the
+    knob's values halfway to the nearest tried below and above it, or one gap beyond it where
+    it is the largest tried (within the knob's range); none where it has no knob."""
+    if chosen.value is None:
+        return []
+    knob, stale = KNOBS[chosen.family], chosen.fields["stale_running"]
+    values = sorted({s.value for s in tried if s.family == chosen.family and s.value is not None
+                     and s.fields["stale_running"] == stale})
+    below = [v for v in values if v < chosen.value]
+    above = [v for v in values if v > chosen.value]
+    new = []
+    if below:
+        new.append((below[-1] + chosen.value) / 2)
+    if above:
+        new.append((chosen.value + above[0]) / 2)
+    elif below:
+        new.append(chosen.value + (chosen.value - below[-1]))
+    names = {s.name for s in tried}
+    made = [knob.setting(chosen.family, v, stale) for v in new if knob.top is None or v <= knob.top]
+    return [s for s in made if s.name not in names]
 
 
 def sigma_from_quantiles(p50_ms: float, p90_ms: float) -> float:
@@ -95,26 +149,35 @@ def scheduler_fields(setting: Setting, workload: dict) -> dict:
             if k in fields and (k not in ("sync_every", "backfill") or v != getattr(defaults, k))}
 
 
-def measure(workload: dict, seeds: int, run: Callable[[str, dict], dict] = simulate_policy,
-            settings: Sequence[Setting] = SETTINGS, progress: Callable[[str], None] | None = None) -> dict:
-    """`batch` and every setting on `workload`, each the mean over `seeds` seeds from the
-    workload's; per setting also its share and waste share over `batch`'s."""
-    def over_seeds(name: str, stream: dict | None = None, inflight: int | None = None) -> dict:
-        mean = mean_over_seeds([run(name, {**workload, "seed": workload["seed"] + k, "stream_config": stream,
-                                           "inflight": inflight}) for k in range(seeds)])
-        return {k: mean[k] for k in (*FIGURES, "per_seed") if k in mean}
+def measure(workload: dict, seeds: int, settings: Sequence[Setting] = SETTINGS, workers: int = 1,
+            progress: Callable[[str], None] | None = None, reference: dict | None = None) -> dict:
+    """`batch` (unless its figures are given as `reference`) and every setting on `workload`,
+    each the mean over `seeds` seeds from the workload's, the runs spread over `workers`
+    processes; per setting also its share and waste share over `batch`'s."""
+    runs = ([] if reference else [("batch", None, None, "batch (oversample 2)")]) + [
+        ("stream", s.fields, s.inflight_samples(workload), s.name) for s in settings]
+    jobs = [(policy, {**workload, "seed": workload["seed"] + k, "stream_config": stream, "inflight": inflight})
+            for policy, stream, inflight, _ in runs for k in range(seeds)]
+    left = [seeds] * len(runs)
 
-    reference = over_seeds("batch")
-    rows = []
-    for setting in settings:
-        if progress:
-            progress(setting.name)
-        figures = over_seeds("stream", setting.fields, setting.inflight_samples(workload))
-        rows.append({"name": setting.name, **figures,
-                     "share_vs_batch": _ratio(figures["capacity_share"], reference["capacity_share"]),
-                     "waste_vs_batch": _ratio(figures["waste_share"], reference["waste_share"]),
-                     "distance": round(distance(reference, figures), 4)})
+    def done(i: int) -> None:
+        left[i // seeds] -= 1
+        if progress and not left[i // seeds]:
+            progress(runs[i // seeds][3])
+
+    reports = run_simulations(jobs, workers, done)
+    means = [_figures(mean_over_seeds(reports[k:k + seeds])) for k in range(0, len(reports), seeds)]
+    reference = reference or means.pop(0)
+    rows = [{"name": setting.name, **figures,
+             "share_vs_batch": _ratio(figures["capacity_share"], reference["capacity_share"]),
+             "waste_vs_batch": _ratio(figures["waste_share"], reference["waste_share"]),
+             "distance": round(distance(reference, figures), 4)}
+            for setting, figures in zip(settings, means)]
     return {"reference": reference, "settings": rows}
+
+
+def _figures(mean: dict) -> dict:
+    return {k: mean[k] for k in (*FIGURES, "per_seed") if k in mean}
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -130,16 +193,27 @@ def distance(reference: dict, row: dict) -> float:
     return max(share, waste)
 
 
+NOISE = 0.005
+"""Figures this close count as equal when `choose` picks: half a hundredth, below the noise
+of a few simulated draws."""
+
+
 def choose(reference: dict, rows: list[dict], max_waste: float | None = None) -> dict:
-    """The row `tune` picks (see the module docstring)."""
+    """The row `tune` picks (see the module docstring). Waste shares within `NOISE` of the
+    least count as equal, and then the most share wins (with `max_waste`: shares within
+    `NOISE` of the most, and then the least waste)."""
     if max_waste is None:
         fits = [r for r in rows if r["capacity_share"] >= reference["capacity_share"]]
         if fits:
-            return min(fits, key=lambda r: (r["waste_share"], -r["capacity_share"]))
+            least = min(r["waste_share"] for r in fits)
+            return max((r for r in fits if r["waste_share"] <= least + NOISE),
+                       key=lambda r: (r["capacity_share"], -r["waste_share"]))
         return min(rows, key=lambda r: (distance(reference, r), r["waste_share"]))
     fits = [r for r in rows if r["waste_share"] <= max_waste]
     if fits:
-        return max(fits, key=lambda r: (r["capacity_share"], -r["waste_share"]))
+        most = max(r["capacity_share"] for r in fits)
+        return min((r for r in fits if r["capacity_share"] >= most - NOISE),
+                   key=lambda r: (r["waste_share"], -r["capacity_share"]))
     return min(rows, key=lambda r: (r["waste_share"], -r["capacity_share"]))
 
 
@@ -148,12 +222,21 @@ def dominates(reference: dict, row: dict) -> bool:
     return distance(reference, row) <= 1
 
 
-def tune(workload: dict, seeds: int, max_waste: float | None = None,
+def tune(workload: dict, seeds: int, max_waste: float | None = None, refine: int = 1, workers: int = 1,
          progress: Callable[[str], None] | None = None) -> dict:
-    """Every setting measured, the one chosen and its `scheduler` fields."""
-    result = measure(workload, seeds, progress=progress)
+    """Every setting of `SETTINGS` measured, then `refine` rounds of the chosen one's
+    `neighbours`; the one chosen of all and its `scheduler` fields."""
+    result = measure(workload, seeds, workers=workers, progress=progress)
+    tried = {s.name: s for s in SETTINGS}
     chosen = choose(result["reference"], result["settings"], max_waste)
-    setting = next(s for s in SETTINGS if s.name == chosen["name"])
+    for _ in range(refine):
+        more = neighbours(tried[chosen["name"]], list(tried.values()))
+        if not more:
+            break
+        rows = measure(workload, seeds, more, workers, progress, result["reference"])["settings"]
+        result["settings"] += [{**r, "refined": True} for r in rows]
+        tried |= {s.name: s for s in more}
+        chosen = choose(result["reference"], result["settings"], max_waste)
     shown = ("slots", "groups", "batch_size", "median_ms", "sigma", "cap", "train_ms", "max_lag",
              "steps", "seed", "call_at_end")
     return {"workload": {k: workload[k] for k in shown} | {"seeds": seeds}
@@ -162,7 +245,7 @@ def tune(workload: dict, seeds: int, max_waste: float | None = None,
                      else f"most share at a waste share of {max_waste:g} or less"),
             **result, "chosen": chosen["name"],
             "dominates_batch": dominates(result["reference"], chosen),
-            "scheduler": scheduler_fields(setting, workload)}
+            "scheduler": scheduler_fields(tried[chosen["name"]], workload)}
 
 
 def format_result(result: dict) -> str:
@@ -177,7 +260,10 @@ def format_result(result: dict) -> str:
              f"{'setting':22s} {'share':>6s} {'waste':>6s} {'length':>6s} {'vs batch':>17s} {'distance':>8s}",
              f"{'batch (oversample 2)':22s} {ref['capacity_share']:6.3f} {ref['waste_share']:6.3f} "
              f"{ref['trained_length_vs_workload']:6.2f}"]
+    first_refined = next((r["name"] for r in result["settings"] if r.get("refined")), None)
     for r in result["settings"]:
+        if r["name"] == first_refined:
+            lines.append("  refined around the pick so far (halfway to its neighbours in its family):")
         mark = "*" if r["name"] == result["chosen"] else " "
         vs = f"{r['share_vs_batch']:.3f}x / {r['waste_vs_batch']:.3f}x" if r["waste_vs_batch"] is not None else "-"
         lines.append(f"{mark}{r['name']:21s} {r['capacity_share']:6.3f} {r['waste_share']:6.3f} "
@@ -213,6 +299,8 @@ def _workload(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--max-lag must be >= 1 (got {args.max_lag})")
     if args.seeds < 1 or args.steps < 1:
         raise ConfigError(f"--seeds and --steps must be >= 1 (got {args.seeds} and {args.steps})")
+    if args.jobs < 1 or args.refine < 0:
+        raise ConfigError(f"--jobs must be >= 1 and --refine >= 0 (got {args.jobs} and {args.refine})")
     if args.max_waste is not None and not 0 <= args.max_waste < 1:
         raise ConfigError(f"--max-waste must be in [0, 1) (got {args.max_waste:g})")
     if args.sigma is not None and args.p90_ms is not None:
@@ -263,6 +351,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="simulated steps per run (default 100)")
     p.add_argument("--seeds", type=int, default=3, help="runs per setting, seeds --seed on (default 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--refine", type=int, default=1,
+                   help="rounds of settings tried around the pick, halfway to its neighbours in its "
+                   "family's knob (replace_ahead, or the samples in flight), or one step past the grid's "
+                   "end (default 1; 0: the grid alone)")
+    p.add_argument("--jobs", type=int, default=default_workers(),
+                   help="simulations run at once, in as many worker processes (default: the CPUs "
+                   "this process may use, here %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     return p
 
@@ -272,8 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = _workload(args)
 
     def progress(name: str) -> None:
-        print(f"  simulating {name}", file=sys.stderr, flush=True)
+        print(f"  simulated {name}", file=sys.stderr, flush=True)
 
-    result = tune(workload, args.seeds, args.max_waste, None if args.json else progress)
+    result = tune(workload, args.seeds, args.max_waste, args.refine, args.jobs, None if args.json else progress)
     print(json.dumps(result) if args.json else format_result(result))
     return 0

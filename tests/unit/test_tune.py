@@ -35,6 +35,9 @@ def test_the_least_waste_at_batchs_share_or_more_is_chosen():
     rows = [_row("a", 0.59, 0.10), _row("b", 0.61, 0.25), _row("c", 0.70, 0.20), _row("d", 0.60, 0.30)]
     assert tune.choose(ref, rows)["name"] == "c" and not tune.dominates(ref, rows[2])
     assert tune.dominates(ref, _row("e", 0.62, 0.17)) and not tune.dominates(ref, _row("f", 0.59, 0.17))
+    # waste shares within NOISE of the least are equal: then the most share wins
+    assert tune.choose(ref, [*rows, _row("g", 0.75, 0.204)])["name"] == "g"
+    assert tune.choose(ref, [*rows, _row("h", 0.75, 0.206)])["name"] == "c"
 
 
 def test_below_batchs_share_the_setting_nearest_the_goal_is_chosen():
@@ -50,13 +53,22 @@ def test_a_waste_cap_takes_the_most_share_within_it_or_else_the_least_waste():
     rows = [_row("a", 0.59, 0.10), _row("b", 0.65, 0.12), _row("c", 0.70, 0.20)]
     assert tune.choose(ref, rows, max_waste=0.12)["name"] == "b"
     assert tune.choose(ref, rows, max_waste=0.05)["name"] == "a"
+    # shares within NOISE of the most are equal: then the least waste wins
+    assert tune.choose(ref, [*rows, _row("d", 0.646, 0.11)], max_waste=0.12)["name"] == "d"
+    assert tune.choose(ref, [*rows, _row("e", 0.644, 0.11)], max_waste=0.12)["name"] == "b"
 
 
 def test_tune_reports_every_setting_as_simulate_would_and_picks_by_its_rule(capsys):
     assert main(["tune", "--max-lag", "1", *SMALL, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in result["settings"]] == [s.name for s in tune.SETTINGS]
     ref, rows = result["reference"], result["settings"]
+    grid = rows[:len(tune.SETTINGS)]
+    assert [r["name"] for r in grid] == [s.name for s in tune.SETTINGS]
+    # then one round around the grid's pick, marked as such
+    around = tune.neighbours(next(s for s in tune.SETTINGS if s.name == tune.choose(ref, grid)["name"]),
+                             tune.SETTINGS)
+    assert [r["name"] for r in rows[len(grid):]] == [s.name for s in around]
+    assert all(r.get("refined") for r in rows[len(grid):]) and not any(r.get("refined") for r in grid)
     chosen = next(r for r in rows if r["name"] == result["chosen"])
     assert chosen == tune.choose(ref, rows)
     assert result["dominates_batch"] == tune.dominates(ref, chosen)
@@ -68,6 +80,45 @@ def test_tune_reports_every_setting_as_simulate_would_and_picks_by_its_rule(caps
     assert rows[5]["capacity_share"] == alone["capacity_share"]
     assert rows[5]["waste_share"] == alone["waste_share"]
     assert ref["capacity_share"] == simulate_policy("batch", w)["capacity_share"]
+
+
+def _named(name):
+    return next(s for s in tune.SETTINGS if s.name == name)
+
+
+def test_a_pick_is_refined_halfway_to_its_neighbours_or_one_step_past_the_grids_end():
+    def values(settings):
+        return [(s.name, s.value) for s in settings]
+
+    assert values(tune.neighbours(_named("replace-0.55/finish"), tune.SETTINGS)) == [
+        ("replace-0.475/finish", 0.475), ("replace-0.625/finish", 0.625)]
+    assert values(tune.neighbours(_named("handover-1.7x/cancel"), tune.SETTINGS)) == [
+        ("handover-1.6x/cancel", 1.6), ("handover-1.9x/cancel", 1.9)]
+    assert values(tune.neighbours(_named("replace-0.85/finish"), tune.SETTINGS)) == [
+        ("replace-0.775/finish", 0.775), ("replace-1/finish", 1.0)]  # replace_ahead stops at 1
+    assert tune.neighbours(_named("backups/finish"), tune.SETTINGS) == []
+    tried = [*tune.SETTINGS, *tune.neighbours(_named("replace-0.55/finish"), tune.SETTINGS)]
+    assert values(tune.neighbours(tried[-1], tried)) == [("replace-0.5875/finish", 0.5875),
+                                                         ("replace-0.6625/finish", 0.6625)]
+    refined = tune.neighbours(_named("handover-1.3x/finish"), tune.SETTINGS)[0]
+    assert refined.inflight == 1.25 and refined.fields == _named("handover-1.3x/finish").fields
+
+
+def test_each_round_of_refinement_walks_the_pick_towards_the_knobs_best_value(monkeypatch):
+    """Figures made up as a function of `replace_ahead` (the least waste at 0.6) through the
+    real choice and refinement: the grid picks 0.55, one round 0.625, two rounds 0.5875."""
+    def figures(policy, workload):
+        ahead = (workload.get("stream_config") or {}).get("replace_ahead")
+        share, waste = (0.6, 0.34) if policy == "batch" else (0.61, 0.1 + abs(ahead - 0.6)) if ahead else (0.5, 0.1)
+        return {"capacity_share": share, "waste_share": waste, "trained_length_vs_workload": 1.0, "lag_max": 1}
+
+    monkeypatch.setattr(tune, "run_simulations", lambda jobs, workers, done: [figures(*j) for j in jobs])
+    w = {**workload_for(False, slots=256, procs=1, ahead=1, max_lag=1), "call_at_end": True}
+    picks = [tune.tune(w, seeds=1, refine=n)["chosen"] for n in (0, 1, 2)]
+    assert picks == ["replace-0.55/cancel", "replace-0.625/cancel", "replace-0.5875/cancel"]
+    result = tune.tune(w, seeds=1, refine=2)
+    assert result["scheduler"]["replace_ahead"] == 0.5875
+    assert len(result["settings"]) == len(tune.SETTINGS) + 4
 
 
 def test_the_chosen_fields_make_a_valid_admission_config(tmp_path):
@@ -103,6 +154,8 @@ def test_a_session_versioned_at_its_start_makes_running_work_past_the_bound_wast
     (["--max-lag", "1", "--p90-ms", "500"], "--p90-ms must exceed --median-ms"),
     (["--max-lag", "1", "--max-waste", "1.5"], "--max-waste"),
     (["--max-lag", "1", "--slots", "0"], "--slots"),
+    (["--max-lag", "1", "--jobs", "0"], "--jobs"),
+    (["--max-lag", "1", "--refine", "-1"], "--refine"),
 ])
 def test_bad_options_fail_at_once_naming_them(args, named, capsys):
     assert main(["tune", *args]) == 2

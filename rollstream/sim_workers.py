@@ -1,0 +1,143 @@
+"""Simulations spread over worker processes, their inputs and reports passed as JSON lines.
+
+`run_simulations` maps `bench_schedule.simulate_policy` over a list of (policy, workload)
+jobs. With one worker it runs them in this process; with more it starts that many
+`python -m rollstream.sim_workers` processes and hands each a job as the one before it
+comes back, so a slow setting does not hold up the rest. A job goes out as one JSON line,
+`{"policy": ..., "workload": ...}`, and its report comes back as one: JSON keeps every
+float exactly, so the reports equal the in-process ones. A worker that dies stops the run
+with its last lines of stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+from rollstream.bench_schedule import simulate_policy
+
+Job = tuple[str, dict]
+"""A policy's name and the workload to simulate it on (`simulate_policy`'s arguments)."""
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_simulations(jobs: Sequence[Job], workers: int = 1,
+                    done: Callable[[int], None] | None = None) -> list[dict]:
+    """`simulate_policy` on every job, the reports in the jobs' order; `done(i)` as job i
+    comes back."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers == 1 or len(jobs) < 2:
+        reports = []
+        for i, (policy, workload) in enumerate(jobs):
+            reports.append(simulate_policy(policy, workload))
+            if done:
+                done(i)
+        return reports
+    return _Pool(min(workers, len(jobs))).run(jobs, done)
+
+
+class WorkerError(RuntimeError):
+    """A worker process died or sent back something that is not a report."""
+
+
+class _Pool:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self.failure: BaseException | None = None
+
+    def run(self, jobs: Sequence[Job], done: Callable[[int], None] | None) -> list[dict]:
+        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(len(jobs)):
+            todo.put(i)
+        reports: list[dict | None] = [None] * len(jobs)
+
+        def serve() -> None:
+            try:
+                with tempfile.TemporaryFile("w+") as err, _worker(err) as proc:
+                    while self.failure is None:
+                        try:
+                            i = todo.get_nowait()
+                        except queue.Empty:
+                            return
+                        reports[i] = _ask(proc, jobs[i], err)
+                        if done:
+                            with self.lock:
+                                done(i)
+            except BaseException as exc:  # handed to the caller's thread, which raises it
+                with self.lock:
+                    self.failure = self.failure or exc
+
+        threads = [threading.Thread(target=serve, name=f"sim-worker-{k}") for k in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.failure is not None:
+            raise self.failure
+        assert all(r is not None for r in reports)
+        return reports  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _worker(err) -> Iterator[subprocess.Popen]:
+    """A worker process writing its stderr to `err`; its input closed and its exit awaited on
+    leaving, a failed exit raised."""
+    proc = subprocess.Popen([sys.executable, "-m", "rollstream.sim_workers"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        yield proc
+    finally:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
+        proc.stdout.close()
+        code = proc.wait(timeout=30)
+    if code != 0:
+        raise WorkerError(f"a simulation worker exited with {code}: {_tail(err)}")
+
+
+def _ask(proc: subprocess.Popen, job: Job, err) -> dict:
+    assert proc.stdin is not None and proc.stdout is not None
+    policy, workload = job
+    try:
+        proc.stdin.write(json.dumps({"policy": policy, "workload": workload}) + "\n")
+        proc.stdin.flush()
+    except BrokenPipeError as exc:
+        raise WorkerError(f"a simulation worker died: {_tail(err)}") from exc
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=30)
+        raise WorkerError(f"a simulation worker died (exit {proc.returncode}) on {policy}: {_tail(err)}")
+    return json.loads(line)
+
+
+def _tail(err, lines: int = 5) -> str:
+    err.flush()
+    err.seek(0)
+    return " | ".join(err.read().strip().splitlines()[-lines:]) or "no output on stderr"
+
+
+def serve() -> None:
+    """A worker: one report line on stdout for each job line on stdin, until stdin closes;
+    anything else printed goes to stderr."""
+    out, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        job = json.loads(line)
+        out.write(json.dumps(simulate_policy(job["policy"], job["workload"])) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve()

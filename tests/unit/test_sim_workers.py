@@ -1,0 +1,38 @@
+"""Simulations spread over worker processes: the same reports as in this process, in the jobs'
+order, and a worker's failure raised with its own message."""
+
+import pytest
+
+from rollstream.bench_schedule import simulate_policy, workload_for
+from rollstream.sim_workers import WorkerError, run_simulations
+
+
+def _jobs():
+    w = workload_for(False, slots=32, procs=1, groups=4, batch_size=4, steps=8, ahead=1, max_lag=1,
+                     median_ms=1000.0)
+    return [("batch", w), ("stream", {**w, "seed": 1}),
+            ("stream", {**w, "stream_config": {"oversample": 1, "oversample_start": "straggler"}}),
+            ("group", {**w, "seed": 2}), ("stream", {**w, "seed": 3, "max_lag": 2, "ahead": 2})]
+
+
+def test_workers_report_exactly_what_the_simulation_does_here_in_the_jobs_order():
+    jobs = _jobs()
+    came_back = []
+    reports = run_simulations(jobs, workers=2, done=came_back.append)
+    assert reports == [simulate_policy(policy, w) for policy, w in jobs]
+    assert sorted(came_back) == list(range(len(jobs)))
+    assert len({r["capacity_share"] for r in reports}) > 1  # distinct jobs, not one report repeated
+
+
+def test_a_failing_simulation_stops_the_run_with_the_workers_error():
+    jobs = _jobs()
+    jobs[3] = ("no-such-policy", jobs[3][1])
+    with pytest.raises(WorkerError, match="unknown policy 'no-such-policy'"):
+        run_simulations(jobs, workers=2)
+    with pytest.raises(ValueError, match="unknown policy"):  # in this process, the error itself
+        run_simulations(jobs, workers=1)
+
+
+def test_no_workers_is_refused():
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        run_simulations(_jobs(), workers=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import subprocess
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from rollstream.bench_schedule import simulate_policy
 
@@ -27,9 +29,31 @@ Job = tuple[str, dict]
 """A policy's name and the workload to simulate it on (`simulate_policy`'s arguments)."""
 
 
-def default_workers() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def default_workers(cgroup: Path = CGROUP) -> int:
+    """The CPUs this process may use: those it may run on, within its cgroup's CPU quota (a
+    Kubernetes pod's CPU limit) where one is set."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota(cgroup)
+    return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
+
+
+def cpu_quota(cgroup: Path = CGROUP) -> float | None:
+    """The cgroup's CPU quota in CPUs (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`), or None where none is set or none can be read."""
+    v2, v1 = cgroup / "cpu.max", cgroup / "cpu"
+    try:
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        if (v1 / "cpu.cfs_quota_us").is_file():
+            quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+            return None if quota_us < 0 else quota_us / int((v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None  # an unreadable or odd cgroup file: no quota known, the affinity stands
+    return None
 
 
 def run_simulations(jobs: Sequence[Job], workers: int = 1,

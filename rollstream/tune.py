@@ -357,7 +357,7 @@ def parser() -> argparse.ArgumentParser:
                    "end (default 1; 0: the grid alone)")
     p.add_argument("--jobs", type=int, default=default_workers(),
                    help="simulations run at once, in as many worker processes (default: the CPUs "
-                   "this process may use, here %(default)s)")
+                   "this process may use, within its cgroup's CPU quota; here %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     return p
 

@@ -1,10 +1,12 @@
 """Simulations spread over worker processes: the same reports as in this process, in the jobs'
 order, and a worker's failure raised with its own message."""
 
+import os
+
 import pytest
 
 from rollstream.bench_schedule import simulate_policy, workload_for
-from rollstream.sim_workers import WorkerError, run_simulations
+from rollstream.sim_workers import WorkerError, cpu_quota, default_workers, run_simulations
 
 
 def _jobs():
@@ -36,3 +38,21 @@ def test_a_failing_simulation_stops_the_run_with_the_workers_error():
 def test_no_workers_is_refused():
     with pytest.raises(ValueError, match="workers must be >= 1"):
         run_simulations(_jobs(), workers=0)
+
+
+def test_the_default_workers_keep_within_a_cgroups_cpu_quota(tmp_path):
+    cpus = len(os.sched_getaffinity(0))
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")  # a pod limited to 1.5 CPUs
+    assert cpu_quota(v2) == 1.5 and default_workers(v2) == min(cpus, 2)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2) is None and default_workers(v2) == cpus
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(v1.parent) == 0.5 and default_workers(v1.parent) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(v1.parent) is None
+    assert cpu_quota(tmp_path / "none") is None and default_workers(tmp_path / "none") == cpus

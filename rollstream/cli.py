@@ -22,7 +22,7 @@ SIMULATE_ONLY = {"admission": "batch", "oversample": 1, "ahead": 1, "timeout_s":
 """`rollstream simulate`'s defaults without `--frontier`."""
 PER_POLICY = ("admission", "oversample", "ahead", "timeout_s")
 """The options `--frontier` sets per policy and `max_lag` itself, so it refuses them."""
-FRONTIER_ONLY = ("policies", "plot", "seeds", "stream_config")
+FRONTIER_ONLY = ("policies", "plot", "seeds", "stream_config", "jobs")
 """`rollstream simulate --frontier`'s own options."""
 
 
@@ -72,6 +72,7 @@ def _simulate_frontier(args: argparse.Namespace) -> int:
     """`rollstream simulate --frontier`: `bench schedule --frontier`'s workload and figures
     from the pure scheduler on a virtual clock."""
     from rollstream import bench_schedule
+    from rollstream.sim_workers import default_workers
 
     if given := _given(args, PER_POLICY):
         raise ConfigError(f"{', '.join(given)}: not with --frontier, which sets them per policy and "
@@ -90,7 +91,10 @@ def _simulate_frontier(args: argparse.Namespace) -> int:
     seeds = 1 if args.seeds is None else args.seeds
     if seeds < 1:
         raise SystemExit("--seeds must be >= 1")
-    result = bench_schedule.simulate_frontier(workload, policies, seeds=seeds)
+    jobs = default_workers() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1 (got {jobs})")
+    result = bench_schedule.simulate_frontier(workload, policies, seeds=seeds, workers=jobs)
     if args.plot:
         bench_schedule.plot_frontier(result, args.plot)
     print(json.dumps(result) if args.json else bench_schedule.format_frontier(result))
@@ -238,6 +242,9 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", help="--frontier: write the frontier plot here")
     sim.add_argument("--seeds", type=int,
                      help="--frontier: every point the mean over seeds --seed .. --seed + N - 1")
+    sim.add_argument("--jobs", type=int,
+                     help="--frontier: simulations run at once, in as many worker processes (default: "
+                          "the CPUs this process may use, within its cgroup's CPU quota)")
     add_stream_config(sim)
     sim.set_defaults(run=_simulate)
 

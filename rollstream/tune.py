@@ -70,26 +70,31 @@ class Setting:
 
 @dataclass(frozen=True)
 class Knob:
-    """A family of settings over one knob: `replace_ahead`, or the samples in flight as a
-    multiple of the slots; `grid` is what `tune` tries first, `top` the knob's largest valid
-    value (None: unbounded)."""
+    """A family of settings over one knob: the `field` of the `scheduler` section, or where
+    it is None the samples in flight as a multiple of the slots. `grid` is what `tune`
+    tries first, `low` and `top` the knob's range (`top` None: unbounded)."""
 
     fields: dict
+    field: str | None
     grid: tuple[float, ...]
+    low: float
     top: float | None
 
     def setting(self, family: str, value: float, stale: str) -> Setting:
         value = round(value, 4)
         fields = {**self.fields, "stale_running": stale}
-        if family == "replace":
-            return Setting(f"replace-{value:g}/{stale}", {**fields, "replace_ahead": value}, family=family, value=value)
+        if self.field:
+            return Setting(f"{family}-{value:g}/{stale}", {**fields, self.field: value}, family=family, value=value)
         return Setting(f"{family}-{value:g}x/{stale}", fields, value, family, value)
+
+    def holds(self, value: float) -> bool:
+        return self.low <= value and (self.top is None or value <= self.top)
 
 
 _REPLACE = {"oversample": 4, "oversample_start": "replace"}
-KNOBS = {"replace": Knob(_REPLACE, (0.2, 0.3, 0.4, 0.55, 0.7, 0.85), 1.0),
-         "handover": Knob({**_REPLACE, "replace_ahead": 0.55, "group_start": "handover"},
-                          (1.1, 1.2, 1.3, 1.4, 1.5, 1.7), None)}
+KNOBS = {"replace": Knob(_REPLACE, "replace_ahead", (0.2, 0.3, 0.4, 0.55, 0.7, 0.85), 0.05, 1.0),
+         "handover": Knob({**_REPLACE, "replace_ahead": 0.55, "group_start": "handover"}, None,
+                          (1.1, 1.2, 1.3, 1.4, 1.5, 1.7), 1.0, None)}
 STALE = ("cancel", "finish")
 _PLAIN = (
     Setting("plain", {}),
@@ -109,24 +114,25 @@ bound cancelled and left to finish."""
 
 def neighbours(chosen: Setting, tried: Sequence[Setting]) -> list[Setting]:
     """The settings `tune` tries next around `chosen`: in its family and `stale_running`, the
-    knob's values halfway to the nearest tried below and above it, or one gap beyond it where
-    it is the largest tried (within the knob's range); none where it has no knob."""
+    knob's values halfway to the nearest tried below and above it, or one gap past it where
+    it is the smallest or the largest tried (within the knob's range); none where it has no
+    knob."""
     if chosen.value is None:
         return []
-    knob, stale = KNOBS[chosen.family], chosen.fields["stale_running"]
+    knob, stale, x = KNOBS[chosen.family], chosen.fields["stale_running"], chosen.value
     values = sorted({s.value for s in tried if s.family == chosen.family and s.value is not None
                      and s.fields["stale_running"] == stale})
-    below = [v for v in values if v < chosen.value]
-    above = [v for v in values if v > chosen.value]
-    new = []
-    if below:
-        new.append((below[-1] + chosen.value) / 2)
-    if above:
-        new.append((chosen.value + above[0]) / 2)
+    below, above = [v for v in values if v < x], [v for v in values if v > x]
+    if below and above:
+        new = [(below[-1] + x) / 2, (x + above[0]) / 2]
     elif below:
-        new.append(chosen.value + (chosen.value - below[-1]))
+        new = [(below[-1] + x) / 2, x + (x - below[-1])]
+    elif above:
+        new = [x - (above[0] - x), (x + above[0]) / 2]
+    else:
+        new = []
     names = {s.name for s in tried}
-    made = [knob.setting(chosen.family, v, stale) for v in new if knob.top is None or v <= knob.top]
+    made = [knob.setting(chosen.family, v, stale) for v in new if knob.holds(round(v, 4))]
     return [s for s in made if s.name not in names]
 
 

@@ -146,7 +146,21 @@ def test_simulate_frontier_runs_the_workload_it_is_given(capsys):
         assert point["stream"]["config"]["inflight_samples"] == 48
 
 
+def test_simulate_frontier_in_worker_processes_prints_what_one_process_does(capsys):
+    argv = ["simulate", "--frontier", "--steps", "4", "--policies", "batch,stream", "--slots", "32",
+            "--groups", "4", "--batch-size", "4", "--median-ms", "500", "--seeds", "2", "--json"]
+    outputs = []
+    for jobs in ("1", "2"):
+        assert main([*argv, "--jobs", jobs]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1]
+    stream = outputs[0]["frontier"]["2"]["stream"]
+    assert stream["seeds"] == 2 and len(set(stream["per_seed"]["capacity_share"])) == 2  # two draws
+
+
 @pytest.mark.parametrize("argv, says", [
+    (["--frontier", "--jobs", "0"], "--jobs must be >= 1"),
+    (["--jobs", "2"], "--jobs: only with --frontier"),
     (["--frontier", "--oversample", "2"], "--oversample: not with --frontier"),
     (["--frontier", "--ahead", "2", "--admission", "stream"], "--admission, --ahead: not with --frontier"),
     (["--policies", "stream"], "--policies: only with --frontier"),

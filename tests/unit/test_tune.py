@@ -96,6 +96,13 @@ def test_a_pick_is_refined_halfway_to_its_neighbours_or_one_step_past_the_grids_
         ("handover-1.6x/cancel", 1.6), ("handover-1.9x/cancel", 1.9)]
     assert values(tune.neighbours(_named("replace-0.85/finish"), tune.SETTINGS)) == [
         ("replace-0.775/finish", 0.775), ("replace-1/finish", 1.0)]  # replace_ahead stops at 1
+    assert values(tune.neighbours(_named("replace-0.2/cancel"), tune.SETTINGS)) == [
+        ("replace-0.1/cancel", 0.1), ("replace-0.25/cancel", 0.25)]
+    # in flight below the slots would idle them: handover stops at 1x
+    assert values(tune.neighbours(_named("handover-1.1x/finish"), tune.SETTINGS)) == [
+        ("handover-1x/finish", 1.0), ("handover-1.15x/finish", 1.15)]
+    edge = tune.KNOBS["handover"].setting("handover", 1.0, "finish")
+    assert values(tune.neighbours(edge, [*tune.SETTINGS, edge])) == [("handover-1.05x/finish", 1.05)]
     assert tune.neighbours(_named("backups/finish"), tune.SETTINGS) == []
     tried = [*tune.SETTINGS, *tune.neighbours(_named("replace-0.55/finish"), tune.SETTINGS)]
     assert values(tune.neighbours(tried[-1], tried)) == [("replace-0.5875/finish", 0.5875),

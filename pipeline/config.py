@@ -435,6 +435,22 @@ def load_redis_section(path: str | os.PathLike[str]) -> RedisConfig:
         raise ConfigError(f"config {path}: redis: {exc}") from None
 
 
+def load_scheduler_section(path: str | os.PathLike[str]) -> SchedulerConfig:
+    """The `scheduler` section of the trainer's or an admission consumer's config file
+    (`rollstream tune --current`). Where the section leaves `batch_size` out, a trainer
+    config's `data.batch_size` (its tasks per step and shard) fills it in."""
+    data = _read(path)
+    section = data.get("scheduler")
+    if not isinstance(section, dict):
+        raise ConfigError(f"config {path}: needs a scheduler section (a mapping), got "
+                          f"{'none' if section is None else type(section).__name__}")
+    tasks = data.get("data", {}).get("batch_size") if isinstance(data.get("data"), dict) else None
+    try:
+        return build(SchedulerConfig, {"batch_size": tasks, **section} if tasks is not None else section)
+    except ConfigError as exc:
+        raise ConfigError(f"config {path}: scheduler: {exc}") from None
+
+
 def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The top-level mapping of a YAML or JSON file."""
     p = Path(path)

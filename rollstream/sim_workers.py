@@ -4,9 +4,11 @@
 jobs. With one worker it runs them in this process; with more it starts that many
 `python -m rollstream.sim_workers` processes and hands each a job as the one before it
 comes back, so a slow setting does not hold up the rest. A job goes out as one JSON line,
-`{"policy": ..., "workload": ...}`, and its report comes back as one: JSON keeps every
-float exactly, so the reports equal the in-process ones. A worker that dies stops the run
-with its last lines of stderr.
+`{"policy": ..., "workload": ...}`, and its report comes back as one, `{"report": ...}`:
+JSON keeps every float exactly, so the reports equal the in-process ones. A simulation that
+raises comes back as `{"error": ..., "message": ...}` and stops the run with the same
+message (a `ConfigError` as one); a worker that dies stops it with its last lines of
+stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from pipeline.errors import ConfigError
 from rollstream.bench_schedule import simulate_policy
 
 Job = tuple[str, dict]
@@ -144,7 +147,11 @@ def _ask(proc: subprocess.Popen, job: Job, err) -> dict:
     if not line:
         proc.wait(timeout=30)
         raise WorkerError(f"a simulation worker died (exit {proc.returncode}) on {policy}: {_tail(err)}")
-    return json.loads(line)
+    answer = json.loads(line)
+    if "error" in answer:  # the simulation raised: the same error here, a config's named as one
+        kind = ConfigError if answer["error"] == ConfigError.__name__ else WorkerError
+        raise kind(answer["message"])
+    return answer["report"]
 
 
 def _tail(err, lines: int = 5) -> str:
@@ -159,7 +166,12 @@ def serve() -> None:
     out, sys.stdout = sys.stdout, sys.stderr
     for line in sys.stdin:
         job = json.loads(line)
-        out.write(json.dumps(simulate_policy(job["policy"], job["workload"])) + "\n")
+        answer: dict[str, object]
+        try:
+            answer = {"report": simulate_policy(job["policy"], job["workload"])}
+        except Exception as exc:  # noqa: BLE001 (sent back whole: the caller raises it and stops)
+            answer = {"error": type(exc).__name__, "message": f"{job['policy']}: {exc}"}
+        out.write(json.dumps(answer) + "\n")
         out.flush()
 
 

@@ -39,7 +39,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipeline.config import SchedulerConfig, build
+from pipeline.config import SchedulerConfig, build, load_scheduler_section
 from pipeline.errors import ConfigError
 from rollstream.bench_schedule import mean_over_seeds, policy_config, workload_for
 from rollstream.session_shape import ENDED, from_prometheus
@@ -60,12 +60,31 @@ class Setting:
 
     name: str
     fields: dict
-    inflight: float = 1.0
+    inflight: float | None = 1.0
     family: str = ""
     value: float | None = None
 
-    def inflight_samples(self, workload: dict) -> int:
-        return max(workload["groups"], round(self.inflight * workload["slots"]))
+    def inflight_samples(self, workload: dict) -> int | None:
+        """The multiple of the slots, and at least one group with its extra samples; None:
+        the fields' own `inflight_samples`, or the scheduler's default."""
+        if self.inflight is None:
+            return None
+        return max(workload["groups"] + self.fields.get("oversample", 0), round(self.inflight * workload["slots"]))
+
+
+CURRENT = "current"
+"""The row of the setting `--current` reads from a config file."""
+
+_WORKLOAD_FIELDS = ("groups", "batch_size", "max_lag", "width", "rows")
+"""The scheduler fields the workload sets for every setting, a current one included."""
+
+
+def current_setting(config: SchedulerConfig) -> Setting:
+    """A config file's `scheduler` section as a setting: every field of it over the stream
+    policy's (its admission, `ahead` and samples in flight included), but those the workload
+    sets."""
+    fields = {k: v for k, v in config.model_dump(mode="json").items() if k not in _WORKLOAD_FIELDS}
+    return Setting(CURRENT, fields, None)
 
 
 @dataclass(frozen=True)
@@ -229,11 +248,13 @@ def dominates(reference: dict, row: dict) -> bool:
 
 
 def tune(workload: dict, seeds: int, max_waste: float | None = None, refine: int = 1, workers: int = 1,
-         progress: Callable[[str], None] | None = None) -> dict:
-    """Every setting of `SETTINGS` measured, then `refine` rounds of the chosen one's
-    `neighbours`; the one chosen of all and its `scheduler` fields."""
-    result = measure(workload, seeds, workers=workers, progress=progress)
-    tried = {s.name: s for s in SETTINGS}
+         progress: Callable[[str], None] | None = None, current: Setting | None = None) -> dict:
+    """Every setting of `SETTINGS` (and `current`, a run's own) measured, then `refine`
+    rounds of the chosen one's `neighbours`; the one chosen of all and its `scheduler`
+    fields (None where the run's own setting is chosen: it is kept)."""
+    first = (*SETTINGS, current) if current else SETTINGS
+    result = measure(workload, seeds, first, workers=workers, progress=progress)
+    tried = {s.name: s for s in first}
     chosen = choose(result["reference"], result["settings"], max_waste)
     for _ in range(refine):
         more = neighbours(tried[chosen["name"]], list(tried.values()))
@@ -246,12 +267,12 @@ def tune(workload: dict, seeds: int, max_waste: float | None = None, refine: int
     shown = ("slots", "groups", "batch_size", "median_ms", "sigma", "cap", "train_ms", "max_lag",
              "steps", "seed", "call_at_end")
     return {"workload": {k: workload[k] for k in shown} | {"seeds": seeds}
-            | ({"read": workload["read"]} if "read" in workload else {}),
+            | {k: workload[k] for k in ("read", "current_config") if k in workload},
             "goal": ("the least waste at batch's share or more" if max_waste is None
                      else f"most share at a waste share of {max_waste:g} or less"),
             **result, "chosen": chosen["name"],
             "dominates_batch": dominates(result["reference"], chosen),
-            "scheduler": scheduler_fields(tried[chosen["name"]], workload)}
+            "scheduler": None if chosen["name"] == CURRENT else scheduler_fields(tried[chosen["name"]], workload)}
 
 
 def format_result(result: dict) -> str:
@@ -262,6 +283,8 @@ def format_result(result: dict) -> str:
              f"{w['train_ms']:g} ms, max_lag {w['max_lag']} counted from {calls}; "
              f"{w['steps']} simulated steps, seeds {w['seed']}..{w['seed'] + w['seeds'] - 1}",
              *_read_line(w.get("read")),
+             *([f"the run's own setting (row {CURRENT}): the scheduler section of {w['current_config']}"]
+               if "current_config" in w else []),
              f"goal: {result['goal']}",
              f"{'setting':22s} {'share':>6s} {'waste':>6s} {'length':>6s} {'vs batch':>17s} {'distance':>8s}",
              f"{'batch (oversample 2)':22s} {ref['capacity_share']:6.3f} {ref['waste_share']:6.3f} "
@@ -275,11 +298,22 @@ def format_result(result: dict) -> str:
         lines.append(f"{mark}{r['name']:21s} {r['capacity_share']:6.3f} {r['waste_share']:6.3f} "
                      f"{r['trained_length_vs_workload']:6.2f} {vs:>17s} {r['distance']:8.3f}")
     verdict = "meets" if result["dominates_batch"] else "does not meet"
-    lines += [f"chosen: {result['chosen']}; it {verdict} the frontier's goal (at least batch's share "
-              "at no more than half its waste share)",
-              "scheduler fields to merge into the trainer's and every admission consumer's config:",
-              "  scheduler: " + json.dumps(result["scheduler"])]
-    return "\n".join(lines)
+    lines.append(f"chosen: {result['chosen']}; it {verdict} the frontier's goal (at least batch's share "
+                 "at no more than half its waste share)")
+    rows = {r["name"]: r for r in result["settings"]}
+    if result["scheduler"] is None:
+        return "\n".join([*lines, "the run's own setting (--current) does best: keep its scheduler section"])
+    if CURRENT in rows:
+        pick, now = rows[result["chosen"]], rows[CURRENT]
+        lines.append(f"against the run's own setting (--current): share {_against(pick, now, 'capacity_share')}, "
+                     f"waste share {_against(pick, now, 'waste_share')}")
+    return "\n".join([*lines, "scheduler fields to merge into the trainer's and every admission consumer's config:",
+                      "  scheduler: " + json.dumps(result["scheduler"])])
+
+
+def _against(row: dict, base: dict, figure: str) -> str:
+    ratio = f" ({row[figure] / base[figure]:.3f}x)" if base[figure] else ""
+    return f"{row[figure]:.3f} against {base[figure]:.3f}{ratio}"
 
 
 DEFAULTS = {"slots": 256, "median_ms": 1000.0, "sigma": 1.0, "train_ms": 20.0}
@@ -299,8 +333,18 @@ def _read_line(read: dict | None) -> list[str]:
 
 
 def _workload(args: argparse.Namespace) -> dict:
-    """The workload to tune on: each option given, else what `--prometheus` read, else
-    `DEFAULTS`; with `read`, what was read."""
+    """The workload to tune on: each option given, else what `--current`'s config or
+    `--prometheus` read, else `DEFAULTS`; with `read`, what was read, and with `current`,
+    the config's setting's fields (`current_setting`)."""
+    current = load_scheduler_section(args.current) if args.current else None
+    for name, default in (("max_lag", None), ("groups", 8), ("batch_size", 32)):
+        given, run = getattr(args, name), getattr(current, name, None)
+        if given is not None and run is not None and given != run:
+            raise ConfigError(f"--{name.replace('_', '-')} {given} differs from {name} {run} in {args.current}: "
+                              "leave the option out to tune on the run's own")
+        setattr(args, name, next((v for v in (given, run, default) if v is not None), None))
+    if args.max_lag is None:
+        raise ConfigError("--max-lag is required (or --current CONFIG, whose max_lag it takes)")
     if args.max_lag < 1:
         raise ConfigError(f"--max-lag must be >= 1 (got {args.max_lag})")
     if args.seeds < 1 or args.steps < 1:
@@ -325,12 +369,17 @@ def _workload(args: argparse.Namespace) -> dict:
     workload = workload_for(False, procs=1, groups=args.groups, batch_size=args.batch_size,
                             steps=args.steps, seed=args.seed, ahead=args.max_lag,
                             max_lag=args.max_lag, **value)
-    return {**workload, "call_at_end": args.calls == "end", **({"read": read} if read else {})}
+    return {**workload, "call_at_end": args.calls == "end", **({"read": read} if read else {}),
+            **({"current": current_setting(current).fields, "current_config": str(args.current)} if current else {})}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollstream tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-lag", type=int, required=True, help="the run's max_lag (ahead is set to it)")
+    p.add_argument("--max-lag", type=int, help="the run's max_lag (ahead is set to it; default: --current's)")
+    p.add_argument("--current", metavar="CONFIG",
+                   help="the trainer's or an admission consumer's config file: its scheduler section is "
+                   "simulated beside the settings (the row 'current'; kept where it does best), and its "
+                   "group size, max_lag and, where it gives one, step size are the workload's")
     p.add_argument("--prometheus", metavar="URL",
                    help="read the sessions' shape (a log-normal fit in which cancelled sessions count as "
                    "cut short), the slots per shard and the trainer's step and push from the run's "
@@ -339,8 +388,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int,
                    help="session slots serving the shard: all consumers' slots over the shards "
                    f"(default {DEFAULTS['slots']})")
-    p.add_argument("--groups", type=int, default=8, help="samples per group (default 8)")
-    p.add_argument("--batch-size", type=int, default=32, help="groups (tasks) per step (default 32)")
+    p.add_argument("--groups", type=int, help="samples per group (default: --current's, else 8)")
+    p.add_argument("--batch-size", type=int,
+                   help="groups (tasks) per step and shard (default: --current's, else 32)")
     p.add_argument("--median-ms", type=float,
                    help=f"the sessions' median (p50) in milliseconds (default {DEFAULTS['median_ms']:g})")
     p.add_argument("--sigma", type=float, help=f"the sessions' log-normal shape (default {DEFAULTS['sigma']:g})")
@@ -371,10 +421,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     workload = _workload(args)
+    current = workload.pop("current", None)
 
     def progress(name: str) -> None:
         print(f"  simulated {name}", file=sys.stderr, flush=True)
 
-    result = tune(workload, args.seeds, args.max_waste, args.refine, args.jobs, None if args.json else progress)
+    result = tune(workload, args.seeds, args.max_waste, args.refine, args.jobs, None if args.json else progress,
+                  None if current is None else Setting(CURRENT, current, None))
     print(json.dumps(result) if args.json else format_result(result))
     return 0

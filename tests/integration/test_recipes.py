@@ -60,7 +60,7 @@ CHECKED = {"bash", "sh", "shell", "console", "yaml", "yml", "json"}
 COMMANDS = ("rollstream ", "python", "torchrun ", "deepspeed ", "helm ", "docker ", "kubectl ", "redis-", "pip ", "cd ")
 MARK = re.compile(r"^<!--\s*(recipe|file|config|not run):\s*(.+?)\s*-->$")
 RECIPES = {"demo", "local", "two_ranks", "harness", "hf_prompts", "chart_run", "vllm", "tune",
-           "tune_prometheus"}
+           "tune_prometheus", "tune_current"}
 MODELS = {"RunConfig": RunConfig, "TrainerConfig": TrainerConfig, "AdmissionConfig": AdmissionConfig,
           "ConsumerConfig": ConsumerConfig}
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -407,6 +407,23 @@ def test_tune_recipe(tmp_path):
         pass
     assert "sessions log-normal (median 40000 ms, shape 1.08)" in run.outputs[-1], run.outputs[-1]
     assert _tuned(run.outputs[-1], 2)["batch_size"] == 64
+
+
+def test_tune_current_recipe(tmp_path):
+    """docs/operations.md: the pick against the local example's own setting (fewer steps);
+    the workload's group and step sizes and max_lag are the example trainer's."""
+    subs = {"--slots 16": "--slots 16 --steps 3 --seeds 1"}
+    with recipe("tune_current", tmp_path, subs) as run:
+        pass
+    out = run.outputs[-1]
+    assert "workload: 16 slots, groups of 16, 8 groups a step" in out and "max_lag 1" in out, out
+    assert "the run's own setting (row current): the scheduler section of examples/local/trainer.yaml" in out
+    assert re.search(r"^[ *]current +\d", out, re.M)
+    if out.strip().endswith("keep its scheduler section"):  # the example's own setting did best
+        assert re.search(r"^\*current ", out, re.M)
+    else:
+        assert "against the run's own setting (--current): share " in out
+        _tuned(out, 1)
 
 
 @pytest.mark.skipif(not Prometheus.available(), reason="no prometheus binary (Debian's prometheus package)")

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -13,6 +14,7 @@ from pipeline.config import (
     SchedulerConfig,
     build,
     load,
+    load_scheduler_section,
 )
 
 
@@ -253,3 +255,17 @@ def test_stream_registers_a_task_window_sized_from_the_inflight_target():
     assert SchedulerConfig(**stream, inflight_samples=256, ahead=4, max_lag=4).registered_ahead == 4
     assert SchedulerConfig(**stream, supply=1, ahead=2, max_lag=2).registered_ahead == 2
     assert SchedulerConfig(**stream, supply=9).registered_ahead == 9
+
+
+def test_the_scheduler_section_of_a_trainer_or_admission_config(tmp_path):
+    examples = Path(__file__).resolve().parents[2] / "examples" / "local"
+    admission = load_scheduler_section(examples / "admission.yaml")
+    trainer = load_scheduler_section(examples / "trainer.yaml")
+    assert (admission.groups, admission.max_lag, admission.batch_size) == (16, 1, None)
+    assert (trainer.groups, trainer.max_lag, trainer.batch_size) == (16, 1, 8)  # from data.batch_size
+    own = tmp_path / "own.json"
+    own.write_text('{"scheduler": {"groups": 4, "batch_size": 6}, "data": {"batch_size": 8}}')
+    assert load_scheduler_section(own).batch_size == 6  # the section's own wins
+    own.write_text('{"scheduler": {"groups": 4, "max_lag": 0}}')
+    with pytest.raises(ConfigError, match=f"config {own}: scheduler: .*max_lag"):
+        load_scheduler_section(own)

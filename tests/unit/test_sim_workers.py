@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from pipeline.errors import ConfigError
 from rollstream.bench_schedule import simulate_policy, workload_for
 from rollstream.sim_workers import WorkerError, cpu_quota, default_workers, run_simulations
 
@@ -33,6 +34,30 @@ def test_a_failing_simulation_stops_the_run_with_the_workers_error():
         run_simulations(jobs, workers=2)
     with pytest.raises(ValueError, match="unknown policy"):  # in this process, the error itself
         run_simulations(jobs, workers=1)
+
+
+def test_a_bad_config_in_a_worker_is_the_same_config_error_as_here():
+    jobs = _jobs()
+    jobs[2] = ("stream", {**jobs[2][1], "inflight": 2})  # below one group
+    with pytest.raises(ConfigError, match="inflight_samples=2 is below one group") as here:
+        run_simulations(jobs, workers=1)
+    with pytest.raises(ConfigError, match="stream: .*inflight_samples=2 is below one group"):
+        run_simulations(jobs, workers=2)
+    assert "inflight_samples=2" in str(here.value)
+
+
+def test_a_worker_that_dies_stops_the_run_with_its_stderr(monkeypatch):
+    import rollstream.sim_workers as sim_workers
+
+    real = sim_workers.subprocess.Popen
+
+    def dying(args, **kwargs):  # a worker whose interpreter cannot start the module
+        return real([args[0], "-c", "import sys; sys.stderr.write('no such worker here\\n'); sys.exit(3)"],
+                    **kwargs)
+
+    monkeypatch.setattr(sim_workers.subprocess, "Popen", dying)
+    with pytest.raises(WorkerError, match="no such worker here"):
+        run_simulations(_jobs(), workers=2)
 
 
 def test_no_workers_is_refused():

@@ -183,3 +183,67 @@ def test_the_options_reach_the_simulated_workload():
     assert w["sigma"] == pytest.approx(math.log(2) / 1.2815515655446004)
     assert (w["slots"], w["median_ms"], w["train_ms"]) == (96, 2000.0, 500.0)
     assert tune._workload(tune.parser().parse_args(["--max-lag", "1"]))["call_at_end"] is True
+
+
+def _config(tmp_path, text, name="trainer.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+CURRENT = """scheduler: {groups: 4, ahead: 1, max_lag: 1, admission: stream, oversample: 1,
+            oversample_start: straggler, stale_running: finish, inflight_samples: 32}
+data: {batch_size: 4}
+"""
+
+
+def test_the_runs_own_setting_is_simulated_beside_the_others_and_compared_with_the_pick(tmp_path, capsys):
+    path = _config(tmp_path, CURRENT)
+    small = ["--slots", "32", "--steps", "10", "--seeds", "1", "--refine", "0"]
+    assert main(["tune", "--current", path, *small, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    w = result["workload"]
+    # group size and max_lag from the scheduler section, the step size from the trainer's data
+    assert (w["groups"], w["batch_size"], w["max_lag"], w["current_config"]) == (4, 4, 1, path)
+    rows = {r["name"]: r for r in result["settings"]}
+    # the same fields as a setting tune knows at 1x the slots: the same figures
+    assert rows["current"]["capacity_share"] == rows["backups/finish"]["capacity_share"]
+    assert rows["current"]["waste_share"] == rows["backups/finish"]["waste_share"]
+    assert main(["tune", "--current", path, *small]) == 0
+    out = capsys.readouterr().out
+    pick, now = rows[result["chosen"]], rows["current"]
+    assert (f"against the run's own setting (--current): share {pick['capacity_share']:.3f} against "
+            f"{now['capacity_share']:.3f} ({pick['capacity_share'] / now['capacity_share']:.3f}x), waste share "
+            f"{pick['waste_share']:.3f} against {now['waste_share']:.3f} "
+            f"({pick['waste_share'] / now['waste_share']:.3f}x)") in out
+
+
+def test_where_the_runs_own_setting_does_best_it_is_kept(tmp_path, monkeypatch, capsys):
+    def figures(policy, workload):
+        best = (workload.get("stream_config") or {}).get("backup_limit") == 3
+        share, waste = (0.6, 0.34) if policy == "batch" else (0.7, 0.1) if best else (0.5, 0.3)
+        return {"capacity_share": share, "waste_share": waste, "trained_length_vs_workload": 1.0, "lag_max": 1}
+
+    monkeypatch.setattr(tune, "run_simulations", lambda jobs, workers, done: [figures(*j) for j in jobs])
+    path = _config(tmp_path, CURRENT.replace("inflight_samples: 32", "inflight_samples: 32, backup_limit: 3"))
+    assert main(["tune", "--current", path, "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: current; it meets" in out
+    assert "keep its scheduler section" in out and "scheduler fields to merge" not in out
+
+
+@pytest.mark.parametrize("text, args, named", [
+    (CURRENT, ["--max-lag", "2"], "--max-lag 2 differs from max_lag 1 in"),
+    (CURRENT, ["--groups", "8"], "--groups 8 differs from groups 4"),
+    (CURRENT, ["--batch-size", "8"], "--batch-size 8 differs from batch_size 4"),
+    ("data: {batch_size: 4}\n", [], "needs a scheduler section"),
+    ("scheduler: {groups: 4, max_lag: 1, oversample: -1}\n", [], "oversample"),
+])
+def test_a_current_config_that_does_not_fit_fails_at_once_naming_what(tmp_path, text, args, named, capsys):
+    assert main(["tune", "--current", _config(tmp_path, text), *args]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_without_current_max_lag_is_required(capsys):
+    assert main(["tune", "--slots", "32"]) == 2
+    assert "--max-lag is required (or --current CONFIG" in capsys.readouterr().err

@@ -335,7 +335,7 @@ def _read_line(read: dict | None) -> list[str]:
 def _workload(args: argparse.Namespace) -> dict:
     """The workload to tune on: each option given, else what `--current`'s config or
     `--prometheus` read, else `DEFAULTS`; with `read`, what was read, and with `current`,
-    the config's setting's fields (`current_setting`)."""
+    the config's setting (`current_setting`, for `tune`'s `current`: not part of a job)."""
     current = load_scheduler_section(args.current) if args.current else None
     for name, default in (("max_lag", None), ("groups", 8), ("batch_size", 32)):
         given, run = getattr(args, name), getattr(current, name, None)
@@ -370,7 +370,7 @@ def _workload(args: argparse.Namespace) -> dict:
                             steps=args.steps, seed=args.seed, ahead=args.max_lag,
                             max_lag=args.max_lag, **value)
     return {**workload, "call_at_end": args.calls == "end", **({"read": read} if read else {}),
-            **({"current": current_setting(current).fields, "current_config": str(args.current)} if current else {})}
+            **({"current": current_setting(current), "current_config": str(args.current)} if current else {})}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -427,6 +427,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  simulated {name}", file=sys.stderr, flush=True)
 
     result = tune(workload, args.seeds, args.max_waste, args.refine, args.jobs, None if args.json else progress,
-                  None if current is None else Setting(CURRENT, current, None))
+                  current)
     print(json.dumps(result) if args.json else format_result(result))
     return 0

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.scheduler import FAILURE_CAUSE, Finish
-from tests.unit.driver import Cancel, Discard, Driver, Emit, Status, of
+from tests.unit.driver import Cancel, Discard, Driver, Emit, Status, Submit, of
 
 FAILURES = set(FAILURE_CAUSE.values()) | {"unscored", "timeout"}
 EXAMPLES = int(os.environ.get("ROLLSTREAM_PROPERTY_EXAMPLES", "150"))  # raise for a soak run
@@ -165,8 +165,15 @@ class Run:
                     self.admitted.add(ident)
                     assert d.ended.get(k) == "finish"
                     assert rec.updates - self.oldest[k] <= cfg["max_lag"]
-        self.timeouts.update((a.key.epoch, a.key.group, a.key.sample)
-                             for a in of(Cancel, new) if a.reason == "timeout")
+        for a in new:
+            ident = (a.key.epoch, a.key.group, a.key.sample) if isinstance(a, (Submit, Cancel)) else None
+            if isinstance(a, Submit) and a.cause is None and a.key.attempt > 0:
+                # oversample_start="replace": a replaced member's slot carries a new sample
+                # (a first submission, yet a later attempt), with a failure count of its own
+                self.failures.pop(ident, None)
+                self.timeouts.pop(ident, None)
+            elif isinstance(a, Cancel) and a.reason == "timeout":
+                self.timeouts[ident] += 1
         for ident in set(self.failures) | set(self.timeouts):
             assert self.failures[ident] + self.timeouts[ident] <= cfg["max_attempts"]
         sched = d.sched

@@ -444,7 +444,8 @@ def load_scheduler_section(path: str | os.PathLike[str]) -> SchedulerConfig:
     if not isinstance(section, dict):
         raise ConfigError(f"config {path}: needs a scheduler section (a mapping), got "
                           f"{'none' if section is None else type(section).__name__}")
-    tasks = data.get("data", {}).get("batch_size") if isinstance(data.get("data"), dict) else None
+    trainer_data = data.get("data")
+    tasks = trainer_data.get("batch_size") if isinstance(trainer_data, dict) else None
     try:
         return build(SchedulerConfig, {"batch_size": tasks, **section} if tasks is not None else section)
     except ConfigError as exc:

@@ -620,15 +620,11 @@ def simulate_frontier(workload: dict, policies: tuple[str, ...] = POLICIES,
     """The same frontier from the pure scheduler on the simulated workload (no Redis, no
     processes, a virtual clock): what the policies do without the pipeline's costs, on the
     same sessions; the simulations spread over `workers` processes (`sim_workers`)."""
-    from rollstream.sim_workers import run_simulations  # it runs this module's simulate_policy
+    from rollstream.sim_workers import simulate_over_seeds  # it runs this module's simulate_policy
 
-    if seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {seeds}")
-    runs = [(lag, name, k) for lag in lags for name in policies for k in range(seeds)]
-    reports = run_simulations([(name, _at_lag({**workload, "seed": workload["seed"] + k}, lag))
-                               for lag, name, k in runs], workers)
-    points = {str(lag): {name: mean_over_seeds([r for (at, of, _), r in zip(runs, reports) if (at, of) == (lag, name)])
-                         for name in policies} for lag in lags}
+    means = iter(simulate_over_seeds([(name, _at_lag(workload, lag)) for lag in lags for name in policies],
+                                     seeds, workers))
+    points = {str(lag): {name: next(means) for name in policies} for lag in lags}
     out = {"workload": _frontier_workload(workload, "simulated", 1, lags, seeds), "frontier": points}
     if "batch" in policies:  # the least waste at batch's share: staleness from the start, steady pushes
         out["bound"] = {str(lag): least_waste_share(workload, lag, points[str(lag)]["batch"]["capacity_share"])

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from pipeline.errors import ConfigError
-from rollstream.bench_schedule import simulate_policy
+from rollstream.bench_schedule import mean_over_seeds, simulate_policy
 
 Job = tuple[str, dict]
 """A policy's name and the workload to simulate it on (`simulate_policy`'s arguments)."""
@@ -73,6 +73,24 @@ def run_simulations(jobs: Sequence[Job], workers: int = 1,
                 done(i)
         return reports
     return _Pool(min(workers, len(jobs))).run(jobs, done)
+
+
+def simulate_over_seeds(cases: Sequence[Job], seeds: int, workers: int = 1,
+                        done: Callable[[int], None] | None = None) -> list[dict]:
+    """Each case on `seeds` seeds from its workload's, `mean_over_seeds` of its reports, the
+    runs spread over `workers` processes; `done(i)` once case i's runs are all back."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    jobs = [(policy, {**workload, "seed": workload["seed"] + k}) for policy, workload in cases for k in range(seeds)]
+    left = [seeds] * len(cases)
+
+    def back(i: int) -> None:
+        left[i // seeds] -= 1
+        if done and not left[i // seeds]:
+            done(i // seeds)
+
+    reports = run_simulations(jobs, workers, back)
+    return [mean_over_seeds(reports[k:k + seeds]) for k in range(0, len(reports), seeds)]
 
 
 class WorkerError(RuntimeError):

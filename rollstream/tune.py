@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from pipeline.config import SchedulerConfig, build, load_scheduler_section
 from pipeline.errors import ConfigError
-from rollstream.bench_schedule import mean_over_seeds, policy_config, workload_for
+from rollstream.bench_schedule import policy_config, workload_for
 from rollstream.session_shape import ENDED, from_prometheus
-from rollstream.sim_workers import default_workers, run_simulations
+from rollstream.sim_workers import default_workers, simulate_over_seeds
 
 Z90 = 1.2815515655446004
 """The standard normal's 0.9 quantile: a log-normal's p90 over its p50 is exp(sigma x Z90)."""
@@ -181,17 +181,9 @@ def measure(workload: dict, seeds: int, settings: Sequence[Setting] = SETTINGS, 
     processes; per setting also its share and waste share over `batch`'s."""
     runs = ([] if reference else [("batch", None, None, "batch (oversample 2)")]) + [
         ("stream", s.fields, s.inflight_samples(workload), s.name) for s in settings]
-    jobs = [(policy, {**workload, "seed": workload["seed"] + k, "stream_config": stream, "inflight": inflight})
-            for policy, stream, inflight, _ in runs for k in range(seeds)]
-    left = [seeds] * len(runs)
-
-    def done(i: int) -> None:
-        left[i // seeds] -= 1
-        if progress and not left[i // seeds]:
-            progress(runs[i // seeds][3])
-
-    reports = run_simulations(jobs, workers, done)
-    means = [_figures(mean_over_seeds(reports[k:k + seeds])) for k in range(0, len(reports), seeds)]
+    cases = [(policy, {**workload, "stream_config": stream, "inflight": inflight}) for policy, stream, inflight, _ in runs]
+    means = [_figures(mean) for mean in simulate_over_seeds(
+        cases, seeds, workers, progress and (lambda i: progress(runs[i][3])))]
     reference = reference or means.pop(0)
     rows = [{"name": setting.name, **figures,
              "share_vs_batch": _ratio(figures["capacity_share"], reference["capacity_share"]),

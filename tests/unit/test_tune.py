@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import AdmissionConfig, load
-from rollstream import tune
+from rollstream import sim_workers, tune
 from rollstream.bench_schedule import simulate_policy, workload_for
 from rollstream.cli import main
 
@@ -119,7 +119,7 @@ def test_each_round_of_refinement_walks_the_pick_towards_the_knobs_best_value(mo
         share, waste = (0.6, 0.34) if policy == "batch" else (0.61, 0.1 + abs(ahead - 0.6)) if ahead else (0.5, 0.1)
         return {"capacity_share": share, "waste_share": waste, "trained_length_vs_workload": 1.0, "lag_max": 1}
 
-    monkeypatch.setattr(tune, "run_simulations", lambda jobs, workers, done: [figures(*j) for j in jobs])
+    monkeypatch.setattr(sim_workers, "run_simulations", lambda jobs, workers, done: [figures(*j) for j in jobs])
     w = {**workload_for(False, slots=256, procs=1, ahead=1, max_lag=1), "call_at_end": True}
     picks = [tune.tune(w, seeds=1, refine=n)["chosen"] for n in (0, 1, 2)]
     assert picks == ["replace-0.55/cancel", "replace-0.625/cancel", "replace-0.5875/cancel"]
@@ -224,7 +224,7 @@ def test_where_the_runs_own_setting_does_best_it_is_kept(tmp_path, monkeypatch, 
         share, waste = (0.6, 0.34) if policy == "batch" else (0.7, 0.1) if best else (0.5, 0.3)
         return {"capacity_share": share, "waste_share": waste, "trained_length_vs_workload": 1.0, "lag_max": 1}
 
-    monkeypatch.setattr(tune, "run_simulations", lambda jobs, workers, done: [figures(*j) for j in jobs])
+    monkeypatch.setattr(sim_workers, "run_simulations", lambda jobs, workers, done: [figures(*j) for j in jobs])
     path = _config(tmp_path, CURRENT.replace("inflight_samples: 32", "inflight_samples: 32, backup_limit: 3"))
     assert main(["tune", "--current", path, "--seeds", "1"]) == 0
     out = capsys.readouterr().out

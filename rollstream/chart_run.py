@@ -108,6 +108,7 @@ IGNORED_KINDS = {
     "ScaledObject": "its minReplicaCount consumers run (at least one)",
     "ServiceMonitor": "no Prometheus Operator here",
     "PodMonitor": "no Prometheus Operator here",
+    "PrometheusRule": "no Prometheus Operator here (promtool runs its rules in the tests)",
 }
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Pod")
 BASE_DIRS = ("/bin", "/sbin", "/lib", "/lib64", "/usr", "/dev", "/proc", "/sys")
@@ -190,6 +191,15 @@ def render(values: Mapping[str, Any], *, chart: Path = CHART, release: str = "rs
         if not path.endswith(".txt"):
             docs.extend(d for d in yaml.safe_load_all(text) if d)
     return docs, effective
+
+
+def alert_rules(values: Mapping[str, Any] | None = None, *, namespace: str = "default") -> dict[str, Any]:
+    """The chart's alerts (its PrometheusRule's spec, rendered with `values` for a release in
+    `namespace`): a Prometheus rule file, as `promtool` and `rule_files` take it."""
+    docs, _ = render(merged(values or {}, {"monitoring": {"prometheusRule": {"enabled": True}}}),
+                     namespace=namespace)
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    return rule["spec"]
 
 
 def secrets_from(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:

@@ -66,10 +66,13 @@ class Prometheus:
 
     BINARY = "prometheus"
 
-    def __init__(self, directory: Path, targets: list[str], *, scrape_s: int = 1) -> None:
+    def __init__(self, directory: Path, targets: list[str], *, scrape_s: int = 1,
+                 labels: dict[str, dict[str, str]] | None = None, rules: tuple[Path, ...] = ()) -> None:
         self.dir = Path(directory)
         self.targets = targets
         self.scrape_s = scrape_s
+        self.labels = labels or {}  # target -> labels its series get (as Kubernetes discovery gives)
+        self.rules = rules  # rule files, evaluated every scrape_s
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -83,8 +86,9 @@ class Prometheus:
         every = f"{self.scrape_s}s"
         config.write_text(json.dumps({  # JSON is YAML
             "global": {"scrape_interval": every, "evaluation_interval": every},
-            "scrape_configs": [{"job_name": "rollstream",
-                                "static_configs": [{"targets": self.targets}]}],
+            "rule_files": [str(Path(f).resolve()) for f in self.rules],
+            "scrape_configs": [{"job_name": "rollstream", "static_configs": [
+                {"targets": [t], "labels": self.labels.get(t, {})} for t in self.targets]}],
         }))
         self.log = open(self.dir / "prometheus.log", "wb")  # noqa: SIM115 (closed in __exit__)
         self.proc = subprocess.Popen(
@@ -143,6 +147,14 @@ class Prometheus:
         `[{"metric": {...}, "values": [[t, "v"], ...]}, ...]`."""
         return self._api("query_range", {"query": expr, "start": f"{start:.3f}",
                                          "end": f"{end:.3f}", "step": f"{step_s:g}"})
+
+    def rules_state(self) -> dict[str, dict]:
+        """Every loaded rule by name: its `health` ("ok" once evaluated without an error),
+        `lastError`, and for an alert its `state` (inactive, pending, firing)."""
+        body = self._get("/api/v1/rules")
+        if body is None:
+            raise CommandError(f"Prometheus at {self.url} did not answer /api/v1/rules")
+        return {r["name"]: r for g in json.loads(body)["data"]["groups"] for r in g["rules"]}
 
     def scraped_since(self, t: float) -> bool:
         """Every target has been scraped at or after `t` (unix seconds)."""

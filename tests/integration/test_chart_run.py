@@ -193,6 +193,10 @@ def test_the_production_values_run(tmp_path):
                                    "StatefulSet/rl-rollstream-admission": ranks,  # share 1: a shard per rank
                                    "Deployment/rl-rollstream-consumer": consumers})
     ran = by_workload(result)
+    # the operator's objects run nothing and are reported as such
+    operator = {line.split(":")[0] for line in result.lines
+                if line.startswith("not run  ") and ("Monitor/" in line or "PrometheusRule/" in line)}
+    assert operator == {"not run  ServiceMonitor/rl-rollstream", "not run  PrometheusRule/rl-rollstream"}
     # one ACL user per role, each pod logged in as its own, over TLS with the mounted CA
     users = {"StatefulSet/rl-rollstream-admission": "rollstream", "Deployment/rl-rollstream-consumer": "rs-consumer",
              "StatefulSet/rl-rollstream-trainer": "rs-trainer"}

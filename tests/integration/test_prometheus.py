@@ -1,10 +1,13 @@
 """A real Prometheus server scrapes a running pipeline of real processes (`rollstream
 admission`, `rollstream consumer` and a `rollstream trainer` DeepSpeed rank, started by
 `rollstream.local.LocalRun`): every metric is present and exported by the process that owns
-it, the trainer's series agree with its own step records, and every dashboard panel
-returns data."""
+it, the trainer's series agree with its own step records, every dashboard panel returns
+data, and the chart's alerts evaluate on those series: every metric they name is scraped,
+none is in error, the dead-letter alert goes off for the poison entry and the alerts for a
+down, stalled or unserved pipeline stay silent."""
 
 import json
+import re
 import signal
 import time
 
@@ -13,6 +16,7 @@ import pytest
 from pipeline import wire
 from pipeline.config import build
 from pipeline.metrics import Metrics, families
+from rollstream.chart_run import alert_rules
 from rollstream.prometheus import Prometheus, panels, promql
 from trainer.run_config import RunConfig
 from rollstream.local import LocalRun, free_port
@@ -70,8 +74,12 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
                    consumer={"block_ms": 50, "metrics_addr": f"127.0.0.1:{ports['consumer']}"})
     role = {f"127.0.0.1:{port}": name for name, port in ports.items()}
     records = tmp_path / "record.jsonl"
+    rules = tmp_path / "rules.yml"  # the chart's alerts for a release in namespace "rl"
+    rules.write_text(json.dumps(alert_rules(namespace="rl")))
+    # the labels a PodMonitor's targets get in Kubernetes
+    labels = {target: {"namespace": "rl", "component": name} for target, name in role.items()}
     try:
-        with Prometheus(tmp_path / "prometheus", list(role)) as prom:
+        with Prometheus(tmp_path / "prometheus", list(role), labels=labels, rules=(rules,)) as prom:
             run.start()
             deadline = time.monotonic() + 150
             while len(_records(records)) < 2:  # a poison entry once the groups exist
@@ -132,8 +140,28 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
             assert 0 < frontier["Share of the slots' capacity trained"] < 2
             assert 0 < frontier["Trained length over all sessions"] < 2
 
+            _check_alerts(prom)
+
             run.trainers[0].signal(signal.SIGTERM)  # stops after the step in progress, exits 0
             assert run.wait_trainer(60) == [0], run.logs()
     finally:
         codes = run.stop()
     assert all(code == 0 for code in codes.values()), (codes, run.logs())
+
+
+def _check_alerts(prom: Prometheus) -> None:
+    """The chart's alerts on the live series: each names only scraped metrics and evaluates
+    without an error; the poison entry's dead letter sets its alert off (pending for its
+    minute, or firing), and nothing is down, stalled or without slots."""
+    rules = prom.rules_state()
+    named = {m for r in rules.values() for m in re.findall(r"\b(?:rollstream_\w+|up)\b", r["query"])}
+    assert len(rules) == 6 and len(named) == 7, (rules.keys(), named)
+    assert [m for m in sorted(named) if not prom.query(m)] == []
+    deadline = time.monotonic() + 30
+    while rules["RollstreamDeadLetters"]["state"] == "inactive" or any(r["health"] == "unknown" for r in rules.values()):
+        assert time.monotonic() < deadline, rules
+        time.sleep(0.5)
+        rules = prom.rules_state()
+    assert {name: r["lastError"] for name, r in rules.items() if r["health"] != "ok"} == {}
+    quiet = ("RollstreamComponentDown", "RollstreamTrainerStalled", "RollstreamNoRolloutSlots")
+    assert {name: rules[name]["state"] for name in quiet} == dict.fromkeys(quiet, "inactive")

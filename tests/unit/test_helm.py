@@ -1,7 +1,8 @@
 """The Helm chart, rendered offline with helm-python-sdk (Helm's own Go engine through a C
 library: no helm binary, no cluster), linted, and every manifest validated against the
 Kubernetes OpenAPI schemas with kubernetes-validate. The CRDs (ServiceMonitor, PodMonitor,
-ScaledObject) have no schema there; their required fields are checked here.
+PrometheusRule, ScaledObject) have no schema there; their required fields are checked here
+(the PrometheusRule's rules by promtool in tests/integration/test_alert_rules.py).
 
 Also the Grafana dashboard: it equals its generator's output and names only metrics that
 pipeline/metrics.py defines."""
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "rollstream"
 DASHBOARD = CHART / "dashboards" / "rollstream.json"
 KUBE_VERSION = "1.33.0"
-CRDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}
+CRDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
 RELEASE, NAMESPACE = "rs", "rl"
 
 HARNESS = {"gateway": "http://gw:8000", "harness": ["python", "-m", "my_agent"], "verifier": "my_agent.scoring:verify"}
@@ -176,6 +177,10 @@ def _check_crd(doc: dict) -> None:
             names = {t["name"] for t in spec["triggers"]}
             assert set(re.findall(r"[a-z]+", modifiers["formula"])) <= names
             assert modifiers["target"] and modifiers["metricType"] == "AverageValue"
+    elif doc["kind"] == "PrometheusRule":
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        rules = [r for group in spec["groups"] for r in group["rules"]]
+        assert rules and all(r["alert"] and r["expr"] and r["labels"]["severity"] for r in rules)
     else:
         assert doc["apiVersion"] == "monitoring.coreos.com/v1"
         assert spec["selector"]["matchLabels"]
@@ -188,7 +193,8 @@ def _check_crd(doc: dict) -> None:
     PROD,
     {"consumer": {"autoscaling": {"hpa": {"enabled": True, "external": {
         "metricName": "rollstream_stream_group_lag", "selector": {"matchLabels": {"stream": "work"}}}}}},
-     "monitoring": {"podMonitor": {"enabled": True}},
+     "monitoring": {"podMonitor": {"enabled": True},
+                    "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
      "redis": {"auth": {"existingSecret": "mine"}}},
     {"consumer": {"autoscaling": {"keda": {"enabled": True, "mode": "lag"}, "minReplicas": 0}},
      "networkPolicy": {"enabled": False}, "tests": {"enabled": False},
@@ -541,6 +547,19 @@ def test_dashboard_configmap(default_docs, chart):
     json.loads(cm["data"]["rollstream.json"])
     off = documents(render(chart, {"monitoring": {"dashboard": {"enabled": False}}}))
     assert not find(off, "ConfigMap", "monitoring")
+
+
+def test_prometheus_rule(default_docs, chart):
+    assert not find(default_docs, "PrometheusRule")  # the operator's CRD may not be installed
+    docs = documents(render(chart, {"monitoring": {"prometheusRule": {
+        "enabled": True, "labels": {"release": "kube-prometheus-stack"}, "trainerStalledAfter": "2h"}}}))
+    rule = one(docs, "PrometheusRule", "monitoring")
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (stalled,) = [r for r in rule["spec"]["groups"][0]["rules"] if r["alert"] == "RollstreamTrainerStalled"]
+    assert "[2h]" in stalled["expr"] and "offset 2h" in stalled["expr"]
+    assert rule["spec"] == chart_run.alert_rules({"monitoring": {"prometheusRule": {"trainerStalledAfter": "2h"}}},
+                                                 namespace=NAMESPACE)
 
 
 def test_helm_test_hook(default_docs, prod_docs):

@@ -381,3 +381,70 @@ usernameFromEnv: ROLLSTREAM_REDIS_USERNAME
 {{- define "rollstream.shards" -}}
 {{- div (int .Values.trainer.ranks) (max 1 (int .Values.trainer.share)) -}}
 {{- end -}}
+
+{{/*
+The alerts of docs/operations.md ("Alerts"), as a Prometheus rule file's `groups`: the
+PrometheusRule's spec, and what tests/integration/test_alert_rules.py hands to promtool.
+Every series is this release's namespace's (the label Prometheus gives a scraped pod's).
+*/}}
+{{- define "rollstream.alertRules" -}}
+{{- $pr := .Values.monitoring.prometheusRule -}}
+{{- $ns := printf "namespace=%q" .Release.Namespace -}}
+{{- $stalled := $pr.trainerStalledAfter -}}
+groups:
+  - name: rollstream
+    rules:
+      - alert: RollstreamComponentDown
+        expr: up{ {{- $ns }}, component=~"admission|consumer|trainer"} == 0
+        for: 5m
+        labels:
+          severity: critical
+        annotations:
+          summary: "rollstream {{`{{ $labels.component }}`}} {{`{{ $labels.pod }}`}} cannot be scraped"
+          description: "Prometheus has failed to scrape this {{`{{ $labels.component }}`}} for 5 minutes: the process is down, restarting or not answering on its metrics port."
+      - alert: RollstreamTrainerStalled
+        expr: >-
+          max by (namespace, shard) (increase(rollstream_trainer_steps_total{ {{- $ns }}}[{{ $stalled }}])) == 0
+          and max by (namespace, shard) (rollstream_trainer_steps_total{ {{- $ns }}} offset {{ $stalled }}) >= 0
+        for: 5m
+        labels:
+          severity: critical
+        annotations:
+          summary: "rollstream trainer shard {{`{{ $labels.shard }}`}} has taken no step for {{ $stalled }}"
+          description: "The trainer runs and exports its metrics but took no optimizer step in the last {{ $stalled }}: it waits for rows that do not come (rollout consumers, admission) or is stuck itself. monitoring.prometheusRule.trainerStalledAfter sets the window; make it a few times the longest step you expect."
+      - alert: RollstreamNoRolloutSlots
+        expr: >-
+          sum by (namespace) (rollstream_samples_in_flight{ {{- $ns }}}) > 0
+          unless on (namespace) sum by (namespace) (rollstream_consumer_slots{ {{- $ns }}}) > 0
+        for: 10m
+        labels:
+          severity: critical
+        annotations:
+          summary: "rollstream has samples in flight and no rollout consumer to run them"
+          description: "{{`{{ $value }}`}} samples are in flight but no rollout consumer exports its slots: none runs (scaled to zero while there is work, crash-looping, or unable to reach Redis)."
+      - alert: RollstreamSlotsIdle
+        expr: >-
+          sum by (namespace) (rollstream_consumer_slots_busy{ {{- $ns }}})
+          / sum by (namespace) (rollstream_consumer_slots{ {{- $ns }}}) < {{ $pr.idleSlotsBelow }}
+        for: {{ $pr.idleSlotsFor }}
+        labels:
+          severity: warning
+        annotations:
+          summary: "rollstream's rollout slots are {{`{{ $value | humanizePercentage }}`}} busy"
+          description: "Less than {{ $pr.idleSlotsBelow }} of the consumers' session slots have run a rollout for {{ $pr.idleSlotsFor }}: the scheduler's in-flight target is below the slots, the task supply is short, or the trainer is the bottleneck (its waited time on the dashboard says which). Scale the consumers down or raise scheduler.inflight_samples."
+      - alert: RollstreamDeadLetters
+        expr: max by (namespace) (rollstream_stream_length{ {{- $ns }}, stream="dead"}) > 0
+        for: 1m
+        labels:
+          severity: warning
+        annotations:
+          summary: "rollstream's dead-letter stream holds {{`{{ $value }}`}} entries"
+          description: "Entries that could not be decoded were moved to the dead-letter stream, each with its reason (docs/reliability.md). Read them with XRANGE on the run's dead stream, fix their producer, then trim the stream."
+      - alert: RollstreamGroupsAbandoned
+        expr: sum by (namespace, shard) (increase(rollstream_groups_abandoned_total{ {{- $ns }}}[1h])) > 0
+        labels:
+          severity: warning
+        annotations:
+          summary: "rollstream shard {{`{{ $labels.shard }}`}} gave up {{`{{ $value | humanize }}`}} groups in the last hour"
+          description: "Groups whose samples failed scheduler.max_attempts times were given up: their tasks are not trained. The Resubmitted and Discarded panels show the causes (infra errors, timeouts, unscored results)."
+{{- end }}

@@ -265,17 +265,27 @@ def test_a_prompt_set_speaks_the_tokenizer_of_a_hugging_face_model_directory(tmp
 def test_models_built_for_concurrent_sessions_are_whole_and_equal(tmp_path):
     """Sessions in threads each take a model of the pool, building one when none is free;
     Hugging Face construction is not thread-safe (global init patches, the meta device, the
-    global RNG), so the pool builds one at a time and every copy is version 0 exactly."""
+    global RNG), so the pool builds one at a time and every copy is version 0 exactly. Each
+    session waits, holding its model, until all eight hold one (at its first check of the
+    served version), so that seven models are built however the threads are scheduled."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=VOCAB.size, n_layer=1, n_head=2, n_embd=16, n_positions=32)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
     for model_config in (str(tmp_path / "model"), config):
         source = PolicySource(env=ArithmeticEnv(), model_config=model_config, max_new_tokens=1, seed=0)
         errors = []
+        together = threading.Barrier(8, timeout=60)
 
         def session(i: int) -> None:
+            waited = []
+
+            def served() -> int:
+                if not waited:
+                    waited.append(together.wait())  # noqa: B023 (joined within this iteration)
+                return 0
+
             try:
-                source.run(request(str(i), sample=i))  # noqa: B023 (joined within this iteration)
+                source.run(request(str(i), sample=i, served=served))  # noqa: B023 (joined within this iteration)
             except Exception as exc:  # collected and asserted below
                 errors.append(exc)  # noqa: B023 (joined within this iteration)
 
@@ -285,7 +295,7 @@ def test_models_built_for_concurrent_sessions_are_whole_and_equal(tmp_path):
         for t in threads:
             t.join()
         assert errors == []
+        assert source.models == len(source._free) == 8
         first, *others = [dict(p.model.state_dict()) for p in source._free]
-        assert others, "the sessions overlapped: several models were built"
         for state in others:
             assert all(t.device.type == "cpu" and torch.equal(t, first[k]) for k, t in state.items())

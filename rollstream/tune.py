@@ -24,9 +24,10 @@ nearest tried on either side, or one step past the grid's end (`neighbours`), an
 again from all the settings tried (`--refine` rounds). The simulations run in worker
 processes (`rollstream.sim_workers`, `--jobs`), with the same figures as in one process.
 
-It prints every setting's figures and the chosen one's `scheduler` fields, to merge into the
-`scheduler` section of the trainer's config and every admission consumer's. The workload
-comes from the options, or from a running pipeline's Prometheus (`--prometheus`,
+It prints every setting's figures, on how many of the draws the chosen one met each half of
+the goal against `batch` on the same sessions (`draws`), and its `scheduler` fields, to merge
+into the `scheduler` section of the trainer's config and every admission consumer's. The
+workload comes from the options, or from a running pipeline's Prometheus (`--prometheus`,
 `rollstream.session_shape`).
 """
 
@@ -234,6 +235,20 @@ def choose(reference: dict, rows: list[dict], max_waste: float | None = None) ->
     return min(rows, key=lambda r: (r["waste_share"], -r["capacity_share"]))
 
 
+def draws(reference: dict, row: dict) -> dict | None:
+    """Draw by draw (`batch` and `row` on the same sessions): on how many of the seeds `row`
+    trained at least `batch`'s share, and wasted at most half its waste share. A pick whose
+    means sit near `batch`'s share falls short of it on some draws, and so may on a run's
+    own sessions. None for a single seed."""
+    ref, own = reference.get("per_seed"), row.get("per_seed")
+    if not ref or not own:
+        return None
+    pairs = list(zip(own["capacity_share"], own["waste_share"], ref["capacity_share"], ref["waste_share"], strict=True))
+    return {"seeds": len(pairs),
+            "share_at_least_batch": sum(share >= base for share, _, base, _ in pairs),
+            "waste_at_most_half_batch": sum(2 * waste <= base for _, waste, _, base in pairs)}
+
+
 def dominates(reference: dict, row: dict) -> bool:
     """The frontier's goal: at least `batch`'s share at no more than half its waste share."""
     return distance(reference, row) <= 1
@@ -264,6 +279,7 @@ def tune(workload: dict, seeds: int, max_waste: float | None = None, refine: int
                      else f"most share at a waste share of {max_waste:g} or less"),
             **result, "chosen": chosen["name"],
             "dominates_batch": dominates(result["reference"], chosen),
+            "chosen_draws": draws(result["reference"], chosen),
             "scheduler": None if chosen["name"] == CURRENT else scheduler_fields(tried[chosen["name"]], workload)}
 
 
@@ -292,6 +308,12 @@ def format_result(result: dict) -> str:
     verdict = "meets" if result["dominates_batch"] else "does not meet"
     lines.append(f"chosen: {result['chosen']}; it {verdict} the frontier's goal (at least batch's share "
                  "at no more than half its waste share)")
+    if d := result.get("chosen_draws"):
+        lines.append(f"  draw by draw, against batch on the same sessions: at least its share on "
+                     f"{d['share_at_least_batch']} of {d['seeds']}, at most half its waste share on "
+                     f"{d['waste_at_most_half_batch']} of {d['seeds']}"
+                     + ("" if min(d["share_at_least_batch"], d["waste_at_most_half_batch"]) == d["seeds"]
+                        else " (near the edge: more --seeds tell how often)"))
     rows = {r["name"]: r for r in result["settings"]}
     if result["scheduler"] is None:
         return "\n".join([*lines, "the run's own setting (--current) does best: keep its scheduler section"])

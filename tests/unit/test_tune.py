@@ -247,3 +247,31 @@ def test_a_current_config_that_does_not_fit_fails_at_once_naming_what(tmp_path, 
 def test_without_current_max_lag_is_required(capsys):
     assert main(["tune", "--slots", "32"]) == 2
     assert "--max-lag is required (or --current CONFIG" in capsys.readouterr().err
+
+
+def test_the_pick_is_checked_draw_by_draw(monkeypatch, capsys):
+    ref = {"capacity_share": 0.6, "waste_share": 0.3,
+           "per_seed": {"capacity_share": [0.58, 0.62, 0.60], "waste_share": [0.30, 0.32, 0.28]}}
+    row = {"capacity_share": 0.6, "waste_share": 0.15,
+           "per_seed": {"capacity_share": [0.59, 0.61, 0.60], "waste_share": [0.15, 0.17, 0.13]}}
+    # share: 0.59 >= 0.58, 0.61 < 0.62, 0.60 >= 0.60; waste: 0.30 <= 0.30, 0.34 > 0.32, 0.26 <= 0.28
+    assert tune.draws(ref, row) == {"seeds": 3, "share_at_least_batch": 2, "waste_at_most_half_batch": 2}
+    assert tune.draws({k: v for k, v in ref.items() if k != "per_seed"}, row) is None  # one seed
+
+    def figures(policy, workload):  # batch and one setting vary with the draw, the rest lose
+        seed = workload["seed"]
+        fields = workload.get("stream_config") or {}
+        best = fields.get("replace_ahead") == 0.55 and fields.get("stale_running") == "finish" \
+            and fields.get("group_start") != "handover"
+        share, waste = ((0.58, 0.62, 0.60)[seed], 0.3) if policy == "batch" else \
+            ((0.59, 0.61, 0.60)[seed], 0.14) if best else (0.5, 0.3)
+        return {"capacity_share": share, "waste_share": waste, "trained_length_vs_workload": 1.0, "lag_max": 1}
+
+    monkeypatch.setattr(sim_workers, "run_simulations", lambda jobs, workers, done: [figures(*j) for j in jobs])
+    assert main(["tune", "--max-lag", "1", "--seeds", "3", "--refine", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["chosen"] == "replace-0.55/finish"
+    assert result["chosen_draws"] == {"seeds": 3, "share_at_least_batch": 2, "waste_at_most_half_batch": 3}
+    assert main(["tune", "--max-lag", "1", "--seeds", "3", "--refine", "0"]) == 0
+    assert ("  draw by draw, against batch on the same sessions: at least its share on 2 of 3, at most half "
+            "its waste share on 3 of 3 (near the edge: more --seeds tell how often)") in capsys.readouterr().out

@@ -3,8 +3,8 @@ admission`, `rollstream consumer` and a `rollstream trainer` DeepSpeed rank, sta
 `rollstream.local.LocalRun`): every metric is present and exported by the process that owns
 it, the trainer's series agree with its own step records, every dashboard panel returns
 data, and the chart's alerts evaluate on those series: every metric they name is scraped,
-none is in error, the dead-letter alert goes off for the poison entry and the alerts for a
-down, stalled or unserved pipeline stay silent."""
+none is in error, the dead-letter alert goes off for the poison entry and the component-down
+alert for the trainer once it has exited."""
 
 import json
 import re
@@ -144,6 +144,8 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
 
             run.trainers[0].signal(signal.SIGTERM)  # stops after the step in progress, exits 0
             assert run.wait_trainer(60) == [0], run.logs()
+            # its target no longer answers: the alert names it by the labels a PodMonitor gives
+            _wait_alert(prom, "RollstreamComponentDown", {"namespace": "rl", "component": "trainer"})
     finally:
         codes = run.stop()
     assert all(code == 0 for code in codes.values()), (codes, run.logs())
@@ -151,17 +153,22 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
 
 def _check_alerts(prom: Prometheus) -> None:
     """The chart's alerts on the live series: each names only scraped metrics and evaluates
-    without an error; the poison entry's dead letter sets its alert off (pending for its
-    minute, or firing), and nothing is down, stalled or without slots."""
+    without an error, and the poison entry's dead letter sets its alert off (pending for its
+    minute, or firing). (Silence where nothing is wrong is promtool's part,
+    test_alert_rules.py: here a scrape that times out on a loaded machine would set off an
+    alert's pending state.)"""
     rules = prom.rules_state()
     named = {m for r in rules.values() for m in re.findall(r"\b(?:rollstream_\w+|up)\b", r["query"])}
     assert len(rules) == 6 and len(named) == 7, (rules.keys(), named)
     assert [m for m in sorted(named) if not prom.query(m)] == []
-    deadline = time.monotonic() + 30
-    while rules["RollstreamDeadLetters"]["state"] == "inactive" or any(r["health"] == "unknown" for r in rules.values()):
-        assert time.monotonic() < deadline, rules
-        time.sleep(0.5)
-        rules = prom.rules_state()
+    _wait_alert(prom, "RollstreamDeadLetters", {"namespace": "rl", "severity": "warning"})
+    rules = prom.rules_state()
     assert {name: r["lastError"] for name, r in rules.items() if r["health"] != "ok"} == {}
-    quiet = ("RollstreamComponentDown", "RollstreamTrainerStalled", "RollstreamNoRolloutSlots")
-    assert {name: rules[name]["state"] for name in quiet} == dict.fromkeys(quiet, "inactive")
+
+
+def _wait_alert(prom: Prometheus, name: str, labels: dict[str, str], timeout_s: float = 30) -> None:
+    """Until alert `name` is pending or firing with `labels` among its labels."""
+    deadline = time.monotonic() + timeout_s
+    while not any(labels.items() <= a["labels"].items() for a in prom.rules_state()[name]["alerts"]):
+        assert time.monotonic() < deadline, prom.rules_state()[name]
+        time.sleep(0.5)

@@ -66,7 +66,8 @@ PROD = {
                                        "optimizer": {"type": "AdamW", "lr": 1e-6}, "zero_stage": 2},
                            "data": {"env": "arithmetic", "batch_size": 8},
                            "checkpoint": {"every": 50, "keep": 3}, "steps": 5000}},
-    "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+    "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+                   "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
 }
 
 

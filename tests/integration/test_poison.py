@@ -48,6 +48,10 @@ def test_poison_on_every_input_stream_is_dead_lettered_with_its_reason(threads, 
     r.xadd(keys.work, GARBAGE)
     r.xadd(keys.control, GARBAGE)
     trainer.handover()
+    # the forgery must come after the attempt it names was submitted: a result read with the
+    # epoch's opening, ahead of it, names nothing yet. The attempt's work entry stays until it
+    # ends (in 600 s), so an entry that is not the garbage says the batch was submitted.
+    wait_until(lambda: any(f != GARBAGE for _, f in r.xrange(keys.work)), 20, "the first attempts submitted")
     # a result with a NaN reward that names the running attempt: dead-lettered, and
     # the attempt is finished as infra_error (resubmitted) instead of waiting for it
     no_chains = msgpack.unpackb(wire.encode(wire.Result(0, 0, 0, 0, 0, "x", Status.COMPLETED)))["chains"]

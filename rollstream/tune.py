@@ -120,6 +120,7 @@ _PLAIN = (
     Setting("plain", {}),
     Setting("oversample-1", {"oversample": 1}),
     Setting("backups", {"oversample": 1, "oversample_start": "straggler"}),
+    Setting("backups-1.06x", {"oversample": 1, "oversample_start": "straggler"}, 1.06),
     Setting("backups-2", {"oversample": 2, "oversample_start": "straggler"}, 1.06),
 )
 SETTINGS = (*(Setting(f"{s.name}/{stale}", {**s.fields, "stale_running": stale}, s.inflight)

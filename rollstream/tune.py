@@ -347,10 +347,10 @@ def _read_line(read: dict | None) -> list[str]:
             "(options given explicitly win)"]
 
 
-def _workload(args: argparse.Namespace) -> dict:
+def _workload(args: argparse.Namespace) -> tuple[dict, Setting | None]:
     """The workload to tune on: each option given, else what `--current`'s config or
-    `--prometheus` read, else `DEFAULTS`; with `read`, what was read, and with `current`,
-    the config's setting (`current_setting`, for `tune`'s `current`: not part of a job)."""
+    `--prometheus` read, else `DEFAULTS` (with `read`, what was read); and the setting of
+    `--current`'s config (`current_setting`), if given."""
     current = load_scheduler_section(args.current) if args.current else None
     for name, default in (("max_lag", None), ("groups", 8), ("batch_size", 32)):
         given, run = getattr(args, name), getattr(current, name, None)
@@ -384,8 +384,9 @@ def _workload(args: argparse.Namespace) -> dict:
     workload = workload_for(False, procs=1, groups=args.groups, batch_size=args.batch_size,
                             steps=args.steps, seed=args.seed, ahead=args.max_lag,
                             max_lag=args.max_lag, **value)
-    return {**workload, "call_at_end": args.calls == "end", **({"read": read} if read else {}),
-            **({"current": current_setting(current), "current_config": str(args.current)} if current else {})}
+    workload = {**workload, "call_at_end": args.calls == "end", **({"read": read} if read else {}),
+                **({"current_config": str(args.current)} if current else {})}
+    return workload, current_setting(current) if current else None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -435,8 +436,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    workload = _workload(args)
-    current = workload.pop("current", None)
+    workload, current = _workload(args)
 
     def progress(name: str) -> None:
         print(f"  simulated {name}", file=sys.stderr, flush=True)

@@ -178,11 +178,11 @@ def test_the_command_is_listed(capsys):
 def test_the_options_reach_the_simulated_workload():
     args = tune.parser().parse_args(["--max-lag", "2", "--calls", "start", "--median-ms", "2000",
                                      "--p90-ms", "4000", "--slots", "96", "--train-ms", "500"])
-    w = tune._workload(args)
+    w, _ = tune._workload(args)
     assert w["call_at_end"] is False and w["max_lag"] == w["ahead"] == 2
     assert w["sigma"] == pytest.approx(math.log(2) / 1.2815515655446004)
     assert (w["slots"], w["median_ms"], w["train_ms"]) == (96, 2000.0, 500.0)
-    assert tune._workload(tune.parser().parse_args(["--max-lag", "1"]))["call_at_end"] is True
+    assert tune._workload(tune.parser().parse_args(["--max-lag", "1"]))[0]["call_at_end"] is True
 
 
 def _config(tmp_path, text, name="trainer.yaml"):

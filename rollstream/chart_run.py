@@ -193,11 +193,12 @@ def render(values: Mapping[str, Any], *, chart: Path = CHART, release: str = "rs
     return docs, effective
 
 
-def alert_rules(values: Mapping[str, Any] | None = None, *, namespace: str = "default") -> dict[str, Any]:
-    """The chart's alerts (its PrometheusRule's spec, rendered with `values` for a release in
+def alert_rules(values: Mapping[str, Any] | None = None, *, release: str = "rs",
+                namespace: str = "default") -> dict[str, Any]:
+    """The chart's alerts (its PrometheusRule's spec, rendered with `values` for `release` in
     `namespace`): a Prometheus rule file, as `promtool` and `rule_files` take it."""
     docs, _ = render(merged(values or {}, {"monitoring": {"prometheusRule": {"enabled": True}}}),
-                     namespace=namespace)
+                     release=release, namespace=namespace)
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     return rule["spec"]
 

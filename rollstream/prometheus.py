@@ -208,8 +208,10 @@ def panels(path: Path = DASHBOARD) -> list[Panel]:
     return out
 
 
-def promql(expr: str, rate_interval: str = "1m") -> str:
-    """A panel expression as plain PromQL: every shard, `rate_interval` for
-    `$__rate_interval` and for the Frontier row's `$window`."""
-    return (expr.replace('"$shard"', '".*"').replace("$__rate_interval", rate_interval)
+def promql(expr: str, rate_interval: str = "1m", *, namespace: str = ".*", release: str = ".*") -> str:
+    """A panel expression as plain PromQL: every shard, the run picked by `namespace` and
+    `release` (regular expressions, as the dashboard's variables put them; `.*`: any, or
+    none), `rate_interval` for `$__rate_interval` and for the Frontier row's `$window`."""
+    return (expr.replace('"$shard"', '".*"').replace('"$namespace"', json.dumps(namespace))
+            .replace('"$release"', json.dumps(release)).replace("$__rate_interval", rate_interval)
             .replace("$window", rate_interval))

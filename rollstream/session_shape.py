@@ -14,7 +14,10 @@ give 0.91 to 0.98).
 
 `from_prometheus` also reads the slots (`rollstream_consumer_slots`, over the shards) and
 the trainer's step and push (`rollstream_trainer_step_seconds`,
-`rollstream_weights_push_seconds`), each over the same window.
+`rollstream_weights_push_seconds`), each over the same window. It reads one run: the series
+that `select` (PromQL label matchers) picks, and refuses to fit a mixture where those series
+belong to several runs (several `namespace` and `release` labels, as the chart's monitors
+give them).
 """
 
 from __future__ import annotations
@@ -119,13 +122,31 @@ def _scalar(url: str, expr: str, timeout_s: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def from_prometheus(url: str, window: str, timeout_s: float = 10.0) -> dict:
+RUN_LABELS = ("namespace", "release")
+"""The labels that tell runs apart on one Prometheus (the chart's monitors set them)."""
+
+
+def one_run(url: str, window: str, select: str, timeout_s: float) -> None:
+    """Raises a CommandError naming the runs where the sessions `select` picks over `window`
+    come from more than one."""
+    found = _query(url, f"count by ({', '.join(RUN_LABELS)}) (count_over_time("
+                        f"rollstream_session_duration_seconds_count{{{select}}}[{window}]))", timeout_s)
+    runs = sorted(", ".join(f'{k}="{s["metric"].get(k, "")}"' for k in RUN_LABELS) for s in found)
+    if len(runs) > 1:
+        raise CommandError(f"Prometheus at {url} holds the sessions of {len(runs)} runs over {window} "
+                           f"({'; '.join(runs)}): pick one with --select, e.g. --select '{runs[0]}'")
+
+
+def from_prometheus(url: str, window: str, timeout_s: float = 10.0, select: str = "") -> dict:
     """The workload a running pipeline shows over the last `window` (a PromQL duration):
     the sessions' fitted median (ms) and shape, the sessions counted by status, the slots
-    per shard, and the trainer's step plus push (ms; None without a trainer's series)."""
+    per shard, and the trainer's step plus push (ms; None without a trainer's series); of
+    the one run whose series `select` picks (PromQL label matchers; "": every series)."""
+    one_run(url, window, select, timeout_s)
+    sel = f"{{{select}}}"
     buckets: dict[str, list[tuple[float, float]]] = {}
     for series in _query(url, "sum by (le, status) (increase("
-                         f"rollstream_session_duration_seconds_bucket[{window}]))", timeout_s):
+                         f"rollstream_session_duration_seconds_bucket{sel}[{window}]))", timeout_s):
         le = float(series["metric"]["le"])
         buckets.setdefault(series["metric"].get("status", ""), []).append((le, float(series["value"][1])))
     counts = {status: round(max((c for _, c in pairs), default=0.0)) for status, pairs in buckets.items()}
@@ -133,15 +154,15 @@ def from_prometheus(url: str, window: str, timeout_s: float = 10.0) -> dict:
     cut = [iv for s in CUT for iv in intervals(buckets.get(s, []))]
     if not ended:
         raise CommandError(f"Prometheus at {url} has no session that ended by itself in the last "
-                           f"{window} (rollstream_session_duration_seconds): is the admission "
-                           "consumer scraped, and has the run gone on that long?")
+                           f"{window} (rollstream_session_duration_seconds{sel}): is the admission "
+                           "consumer scraped, has the run gone on that long, and does --select pick it?")
     median_s, sigma = fit_lognormal(ended, cut)
-    slots = _scalar(url, "sum(rollstream_consumer_slots)", timeout_s)
-    shards = _scalar(url, "count(count by (shard) (rollstream_session_duration_seconds_count))", timeout_s)
-    step = _scalar(url, f"sum(increase(rollstream_trainer_step_seconds_sum[{window}])) / "
-                        f"sum(increase(rollstream_trainer_step_seconds_count[{window}]))", timeout_s)
-    push = _scalar(url, f"sum(increase(rollstream_weights_push_seconds_sum[{window}])) / "
-                        f"sum(increase(rollstream_weights_push_seconds_count[{window}]))", timeout_s)
+    slots = _scalar(url, f"sum(rollstream_consumer_slots{sel})", timeout_s)
+    shards = _scalar(url, f"count(count by (shard) (rollstream_session_duration_seconds_count{sel}))", timeout_s)
+    step = _scalar(url, f"sum(increase(rollstream_trainer_step_seconds_sum{sel}[{window}])) / "
+                        f"sum(increase(rollstream_trainer_step_seconds_count{sel}[{window}]))", timeout_s)
+    push = _scalar(url, f"sum(increase(rollstream_weights_push_seconds_sum{sel}[{window}])) / "
+                        f"sum(increase(rollstream_weights_push_seconds_count{sel}[{window}]))", timeout_s)
     return {"url": url, "window": window, "sessions": counts,
             "median_ms": round(median_s * 1000, 3), "sigma": round(sigma, 4),
             "slots": None if not slots else max(1, round(slots / max(1.0, shards or 1.0))),

@@ -28,7 +28,7 @@ It prints every setting's figures, on how many of the draws the chosen one met e
 the goal against `batch` on the same sessions (`draws`), and its `scheduler` fields, to merge
 into the `scheduler` section of the trainer's config and every admission consumer's. The
 workload comes from the options, or from a running pipeline's Prometheus (`--prometheus`,
-`rollstream.session_shape`).
+one run's series picked by `--select`; `rollstream.session_shape`).
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def _workload(args: argparse.Namespace) -> tuple[dict, Setting | None]:
         raise ConfigError(f"--max-waste must be in [0, 1) (got {args.max_waste:g})")
     if args.sigma is not None and args.p90_ms is not None:
         raise ConfigError("--sigma and --p90-ms: give one (the shape, or the p90 it comes from)")
-    read = from_prometheus(args.prometheus, args.window) if args.prometheus else {}
+    read = from_prometheus(args.prometheus, args.window, select=args.select) if args.prometheus else {}
     value = {k: next(v for v in (getattr(args, k), read.get(k), default) if v is not None)
              for k, default in DEFAULTS.items()}
     if args.p90_ms is not None:
@@ -401,6 +401,10 @@ def parser() -> argparse.ArgumentParser:
                    "cut short), the slots per shard and the trainer's step and push from the run's "
                    "Prometheus, over --window; an option given explicitly wins over what is read")
     p.add_argument("--window", default="1h", help="--prometheus: the PromQL range read (default 1h)")
+    p.add_argument("--select", default="", metavar="MATCHERS",
+                   help="--prometheus: PromQL label matchers that pick the run where the Prometheus "
+                   "scrapes several, e.g. 'namespace=\"rl\", release=\"rs\"' (the labels the chart's "
+                   "monitors give); without it, several runs' sessions are refused, not mixed")
     p.add_argument("--slots", type=int,
                    help="session slots serving the shard: all consumers' slots over the shards "
                    f"(default {DEFAULTS['slots']})")

@@ -2,9 +2,10 @@
 admission`, `rollstream consumer` and a `rollstream trainer` DeepSpeed rank, started by
 `rollstream.local.LocalRun`): every metric is present and exported by the process that owns
 it, the trainer's series agree with its own step records, every dashboard panel returns
-data, and the chart's alerts evaluate on those series: every metric they name is scraped,
-none is in error, the dead-letter alert goes off for the poison entry and the component-down
-alert for the trainer once it has exited."""
+data for the run's release and none for another's, and the chart's alerts evaluate on those
+series: every metric they name is scraped, none is in error, the dead-letter alert goes off
+for the poison entry (and the dashboard's alert annotation finds it by the run's labels) and
+the component-down alert for the trainer once it has exited."""
 
 import json
 import re
@@ -17,7 +18,7 @@ from pipeline import wire
 from pipeline.config import build
 from pipeline.metrics import Metrics, families
 from rollstream.chart_run import alert_rules
-from rollstream.prometheus import Prometheus, panels, promql
+from rollstream.prometheus import DASHBOARD, Prometheus, panels, promql
 from trainer.run_config import RunConfig
 from rollstream.local import LocalRun, free_port
 
@@ -74,10 +75,10 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
                    consumer={"block_ms": 50, "metrics_addr": f"127.0.0.1:{ports['consumer']}"})
     role = {f"127.0.0.1:{port}": name for name, port in ports.items()}
     records = tmp_path / "record.jsonl"
-    rules = tmp_path / "rules.yml"  # the chart's alerts for a release in namespace "rl"
-    rules.write_text(json.dumps(alert_rules(namespace="rl")))
+    rules = tmp_path / "rules.yml"  # the chart's alerts for release "rs" in namespace "rl"
+    rules.write_text(json.dumps(alert_rules(release="rs", namespace="rl")))
     # the labels a PodMonitor's targets get in Kubernetes
-    labels = {target: {"namespace": "rl", "component": name} for target, name in role.items()}
+    labels = {target: {"namespace": "rl", "release": "rs", "component": name} for target, name in role.items()}
     try:
         with Prometheus(tmp_path / "prometheus", list(role), labels=labels, rules=(rules,)) as prom:
             run.start()
@@ -131,8 +132,13 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
             assert prom.query('rollstream_samples_resubmitted_total{cause="infra_error"}')
             assert prom.query('rollstream_dead_letters_total{stream="results:0"}')
 
-            empty = [t for panel in panels() for t, _ in panel.targets if not prom.query(promql(t))]
+            empty = [t for panel in panels() for t, _ in panel.targets
+                     if not prom.query(promql(t, namespace="rl", release="rs"))]
             assert empty == []
+            # and none reads another release's series (here: none at all)
+            leaked = [t for panel in panels() for t, _ in panel.targets
+                      if prom.query(promql(t, namespace="rl", release="rs-b"))]
+            assert leaked == []
             # the frontier's numbers are numbers: 30% infra errors and surplus oversamples waste
             frontier = {p.title: float(prom.query(promql(p.targets[0][0]))[0]["value"][1])
                         for p in panels() if p.row == "Frontier"}
@@ -145,7 +151,7 @@ def test_prometheus_scrapes_every_metric_from_its_owner_and_every_panel_has_data
             run.trainers[0].signal(signal.SIGTERM)  # stops after the step in progress, exits 0
             assert run.wait_trainer(60) == [0], run.logs()
             # its target no longer answers: the alert names it by the labels a PodMonitor gives
-            _wait_alert(prom, "RollstreamComponentDown", {"namespace": "rl", "component": "trainer"})
+            _wait_alert(prom, "RollstreamComponentDown", {"namespace": "rl", "release": "rs", "component": "trainer"})
     finally:
         codes = run.stop()
     assert all(code == 0 for code in codes.values()), (codes, run.logs())
@@ -161,7 +167,13 @@ def _check_alerts(prom: Prometheus) -> None:
     named = {m for r in rules.values() for m in re.findall(r"\b(?:rollstream_\w+|up)\b", r["query"])}
     assert len(rules) == 6 and len(named) == 7, (rules.keys(), named)
     assert [m for m in sorted(named) if not prom.query(m)] == []
-    _wait_alert(prom, "RollstreamDeadLetters", {"namespace": "rl", "severity": "warning"})
+    _wait_alert(prom, "RollstreamDeadLetters", {"namespace": "rl", "release": "rs", "severity": "warning"})
+    # the dashboard's annotation finds it by the run's labels (once it fires; pending here)
+    (annotation,) = json.loads(DASHBOARD.read_text())["annotations"]["list"]
+    expr = annotation["expr"].replace('alertstate="firing"', 'alertstate=~"pending|firing"')
+    assert "RollstreamDeadLetters" in {s["metric"]["alertname"] for s in prom.query(
+        promql(expr, namespace="rl", release="rs"))}
+    assert prom.query(promql(expr, namespace="rl", release="rs-b")) == []
     rules = prom.rules_state()
     assert {name: r["lastError"] for name, r in rules.items() if r["health"] != "ok"} == {}
 

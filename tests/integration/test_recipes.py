@@ -49,7 +49,7 @@ from trainer.run_config import RunConfig, TrainerConfig
 from trainer.main import batches
 from domain.model import TinyTransformer
 from rollstream.prometheus import Prometheus
-from tests.integration.run_metrics import SLOTS, scraped_run
+from tests.integration.run_metrics import MEDIAN_S, SLOTS, scraped_run
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 SERVER = pytest.mark.parametrize("redis_url", ["server"], indirect=True)
@@ -429,13 +429,16 @@ def test_tune_current_recipe(tmp_path):
 @pytest.mark.skipif(not Prometheus.available(), reason="no prometheus binary (Debian's prometheus package)")
 def test_tune_prometheus_recipe(tmp_path):
     """docs/operations.md: the same, the workload read from a run's Prometheus (a real one,
-    scraping real /metrics endpoints fed known sessions; fewer steps)."""
-    with scraped_run(tmp_path / "prometheus") as fed:
+    scraping real /metrics endpoints fed known sessions, labelled as the chart's monitors
+    label release rs in namespace rl, beside another release's; fewer steps)."""
+    with scraped_run(tmp_path / "prometheus", runs={"rs": MEDIAN_S, "rs-other": 4 * MEDIAN_S}) as fed:
         subs = {"http://prometheus:9090": f"{fed.url} --window 5m --steps 3 --seeds 1"}
         with recipe("tune_prometheus", tmp_path, subs) as run:
             pass
     assert f"read from {fed.url} over 5m: " in run.outputs[-1], run.outputs[-1]
     assert f"workload: {sum(SLOTS)} slots" in run.outputs[-1]
+    median = re.search(r"over 5m: \d+ sessions \(\d+ cut short\), median ([\d.]+) ms", run.outputs[-1])
+    assert float(median[1]) == pytest.approx(MEDIAN_S * 1000, rel=0.1)  # release rs's sessions alone
     _tuned(run.outputs[-1], 2)
 
 

@@ -187,6 +187,11 @@ def _check_crd(doc: dict) -> None:
         assert spec["selector"]["matchLabels"]
         endpoints = spec["endpoints"] if doc["kind"] == "ServiceMonitor" else spec["podMetricsEndpoints"]
         assert endpoints and all(e["port"] == "metrics" and e["path"] == "/metrics" for e in endpoints)
+        # the labels the alerts and the dashboard pick a run by, from the pod's own labels
+        for e in endpoints:
+            assert {r["targetLabel"]: r["sourceLabels"] for r in e["relabelings"]} == {
+                "component": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+                "release": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]}
 
 
 @pytest.mark.parametrize("values", [
@@ -560,7 +565,14 @@ def test_prometheus_rule(default_docs, chart):
     (stalled,) = [r for r in rule["spec"]["groups"][0]["rules"] if r["alert"] == "RollstreamTrainerStalled"]
     assert "[2h]" in stalled["expr"] and "offset 2h" in stalled["expr"]
     assert rule["spec"] == chart_run.alert_rules({"monitoring": {"prometheusRule": {"trainerStalledAfter": "2h"}}},
-                                                 namespace=NAMESPACE)
+                                                 release=RELEASE, namespace=NAMESPACE)
+    # every alert reads the series of this release's pods: those its monitors label `release`
+    # from app.kubernetes.io/instance
+    instances = {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"]
+                 for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    assert instances == {RELEASE}
+    for r in rule["spec"]["groups"][0]["rules"]:
+        assert f'namespace="{NAMESPACE}", release="{RELEASE}"' in r["expr"], r["alert"]
 
 
 def test_helm_test_hook(default_docs, prod_docs):
@@ -652,6 +664,7 @@ def test_notes_render(chart):
     notes = render(chart, PROD)["rollstream/templates/NOTES.txt"]
     assert "helm test rs" in notes and "rediss://redis.prod.example:6380/2" in notes
     assert "KEDA (demand), 10..80 replicas" in notes
+    assert f"pick namespace {NAMESPACE} and release {RELEASE} in it" in notes  # the dashboard's run
 
 
 # ------------------------------------------------------------------------------ dashboard
@@ -702,6 +715,13 @@ def test_dashboard_structure():
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert variables["shard"]["includeAll"] and "rollstream_" in variables["shard"]["definition"]
+    # the run: namespace, then its releases, then their shards, each "All" by default
+    assert [v for v in variables if v in ("namespace", "release", "shard")] == ["namespace", "release", "shard"]
+    for name in ("namespace", "release", "shard"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+        assert variables[name]["definition"].endswith(f", {name})")
+    assert 'namespace=~"$namespace"' in variables["release"]["definition"]
+    assert 'release=~"$release"' in variables["shard"]["definition"]
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == ["Scheduler", "Frontier", "Rollouts", "Trainer", "Consumers", "Streams", "Weights"]
     assert variables["window"]["type"] == "interval" and variables["window"]["current"]["value"] == "1h"
@@ -712,6 +732,21 @@ def test_dashboard_structure():
     for panel in _panels():
         assert panel["datasource"]["uid"] == "${datasource}"
         assert panel["type"] in ("timeseries", "stat", "table")
+
+
+def test_every_query_selects_one_run():
+    """Every series a panel or an annotation reads is selected by the run's namespace and
+    release, so runs sharing a Prometheus do not mix (tests/integration/test_prometheus.py
+    checks the same on live series)."""
+    board = json.loads(DASHBOARD.read_text())
+    exprs = [(p["title"], t["expr"]) for p in _panels() for t in p["targets"]]
+    exprs += [(a["name"], a["expr"]) for a in board["annotations"]["list"]]
+    assert any(name == "Alerts" and "ALERTS{" in e for name, e in exprs)
+    run = 'namespace=~"$namespace", release=~"$release"'
+    unselected = [(title, name) for title, expr in exprs
+                  for name, selector in re.findall(r"\b(rollstream_\w+|ALERTS)(\{[^}]*\})?", expr)
+                  if run not in selector]
+    assert unselected == []
 
 
 def test_every_value_is_documented():

@@ -6,8 +6,11 @@
 One panel per metric family of `pipeline/metrics.py`, in rows (Scheduler, Frontier,
 Rollouts, Trainer, Consumers, Streams, Weights); the Frontier row's three numbers (share of
 the slots' capacity trained, waste share, trained length bias) over the `$window` picked. Counters are shown as `rate()`, histograms as
-`histogram_quantile()` over `sum by (le)`. `tests/unit/test_helm.py` checks that the JSON
-equals this script's output and that every `rollstream_*` name in it is a defined metric.
+`histogram_quantile()` over `sum by (le)`. Every query selects one run by the `$namespace` and
+`$release` variables (the labels the chart's PodMonitor and ServiceMonitor give a scraped
+pod), so runs that share a Prometheus stay apart; the runs' firing alerts are annotations.
+`tests/unit/test_helm.py` checks that the JSON equals this script's output, that every
+`rollstream_*` name in it is a defined metric and that every selector names the run.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from pathlib import Path
 OUT = Path(__file__).with_name("rollstream.json")
 UID = "rollstream-pipeline"
 DS = {"type": "prometheus", "uid": "${datasource}"}
-SHARD = 'shard=~"$shard"'
+# one run: a release's series (the labels the chart's monitors give a scraped pod; `.*`, the
+# variables' "All", also matches a series without them, as a Prometheus outside Kubernetes has)
+RUN = 'namespace=~"$namespace", release=~"$release"'
+SHARD = f'{RUN}, shard=~"$shard"'
 RATE = "$__rate_interval"
 WINDOW = "$window"  # the frontier's panels: a step's sessions can take minutes to hours
 
@@ -47,15 +53,13 @@ ENDED_MEAN = (f"({per_s('rollstream_session_duration_seconds_sum', ENDED)} / "
 
 
 def rate(metric: str, by: str, selector: str = SHARD) -> str:
-    sel = f"{{{selector}}}" if selector else ""
-    return f"sum by ({by}) (rate({metric}{sel}[{RATE}]))"
+    return f"sum by ({by}) (rate({metric}{{{selector}}}[{RATE}]))"
 
 
 def quantiles(metric: str, selector: str = SHARD, qs: tuple[float, ...] = (0.5, 0.9, 0.99),
               legend: str = "") -> list[tuple[str, str]]:
-    sel = f"{{{selector}}}" if selector else ""
     return [
-        (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{sel}[{RATE}])))",
+        (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{selector}}}[{RATE}])))",
          f"{legend}p{int(q * 100)}")
         for q in qs
     ]
@@ -105,7 +109,7 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
          "where slots idle or waste, above 1 only by training short sessions (the length "
          "panel). The slots are all shards'; pick every shard. A run younger than $window "
          "reads low: rate() spreads what it saw over the whole window."),
-         [(f"{TRAINED} * {ENDED_MEAN} / clamp_min(sum(rollstream_consumer_slots), 1)", "share")]),
+         [(f"{TRAINED} * {ENDED_MEAN} / clamp_min(sum(rollstream_consumer_slots{{{RUN}}}), 1)", "share")]),
         ("Waste share of slot-seconds", "timeseries", "percentunit",
          ("Slot-seconds of sessions that no step trained (cancelled, stale, superseded, "
          "surplus, failed, masked out of the loss) over all busy slot-seconds, over $window: "
@@ -181,37 +185,37 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
     ("Consumers", [
         ("Slot utilisation", "stat", "percentunit",
          "Busy session slots over all slots of all rollout consumers.",
-         [("sum(rollstream_consumer_slots_busy) / clamp_min(sum(rollstream_consumer_slots), 1)",
+         [(f"sum(rollstream_consumer_slots_busy{{{RUN}}}) / clamp_min(sum(rollstream_consumer_slots{{{RUN}}}), 1)",
            "utilisation")]),
         ("Slots busy / total", "timeseries", "short",
          "Session slots running a rollout, and the capacity, over all consumers.",
-         [("sum(rollstream_consumer_slots_busy)", "busy"),
-          ("sum(rollstream_consumer_slots)", "total")]),
+         [(f"sum(rollstream_consumer_slots_busy{{{RUN}}})", "busy"),
+          (f"sum(rollstream_consumer_slots{{{RUN}}})", "total")]),
         ("Consumers", "stat", "short", "Rollout consumers reporting.",
-         [("count(rollstream_consumer_slots)", "consumers")]),
+         [(f"count(rollstream_consumer_slots{{{RUN}}})", "consumers")]),
     ]),
     ("Streams", [
         ("Stream length", "timeseries", "short", "XLEN of every stream of the run.",
-         [("max by (stream) (rollstream_stream_length)", "{{stream}}")]),
+         [(f"max by (stream) (rollstream_stream_length{{{RUN}}})", "{{stream}}")]),
         ("Consumer-group lag", "timeseries", "short",
          "Entries not yet delivered to each consumer group (the autoscaling signal on work).",
-         [("max by (stream, group) (rollstream_stream_group_lag)", "{{stream}} / {{group}}")]),
+         [(f"max by (stream, group) (rollstream_stream_group_lag{{{RUN}}})", "{{stream}} / {{group}}")]),
         ("Consumer-group pending", "timeseries", "short",
          "Entries delivered and not yet acknowledged (running work on the work stream).",
-         [("max by (stream, group) (rollstream_stream_group_pending)", "{{stream}} / {{group}}")]),
+         [(f"max by (stream, group) (rollstream_stream_group_pending{{{RUN}}})", "{{stream}} / {{group}}")]),
         ("Dead letters / s", "timeseries", "ops",
          "Entries moved to the dead-letter stream, by source stream and reason.",
-         [(rate("rollstream_dead_letters_total", "stream, reason", ""), "{{stream}}: {{reason}}")]),
+         [(rate("rollstream_dead_letters_total", "stream, reason", RUN), "{{stream}}: {{reason}}")]),
     ]),
     ("Weights", [
         ("Weight versions", "timeseries", "short",
          "Version the engines serve, and the latest version the trainer published.",
-         [("max(rollstream_weights_served_version)", "served"),
-          ("max(rollstream_weights_published_version)", "published")]),
+         [(f"max(rollstream_weights_served_version{{{RUN}}})", "served"),
+          (f"max(rollstream_weights_published_version{{{RUN}}})", "published")]),
         ("Weight push time", "timeseries", "s", "Seconds per weight push.",
-         quantiles("rollstream_weights_push_seconds", selector="")),
+         quantiles("rollstream_weights_push_seconds", selector=RUN)),
         ("Builds", "table", "short", "Running rollstream builds by component and version.",
-         [("count by (version, component, run) (rollstream_build_info)", "")]),
+         [(f"count by (version, component, run) (rollstream_build_info{{{RUN}}})", "")]),
     ]),
 ]
 
@@ -241,6 +245,24 @@ def panel(pid: int, title: str, kind: str, unit: str, description: str,
     return body
 
 
+def label_variable(name: str, label: str, series: str, multi: bool, sort: int = 1) -> dict:
+    """A variable over the values of label `name` on `series` ("All": any, or none)."""
+    query = f"label_values({series}, {name})"
+    everything = ["$__all"] if multi else "$__all"
+    return {"name": name, "label": label, "type": "query", "datasource": DS,
+            "query": {"query": query, "refId": name}, "definition": query,
+            "includeAll": True, "multi": multi, "allValue": ".*",
+            "current": {"selected": True, "text": ["All"] if multi else "All", "value": everything},
+            "refresh": 2, "sort": sort, "hide": 0, "regex": ""}
+
+
+# the chart's alerts (monitoring.prometheusRule) as they fire, for the run picked
+ALERTS = {"name": "Alerts", "datasource": DS, "enable": True, "hide": False, "iconColor": "red",
+          "expr": f'ALERTS{{alertname=~"Rollstream.+", alertstate="firing", {RUN}}}',
+          "step": "1m", "titleFormat": "{{alertname}}", "tagKeys": "severity,component,shard",
+          "textFormat": "{{severity}}: {{alertname}} {{component}}{{shard}}"}
+
+
 def dashboard() -> dict:
     panels: list[dict] = []
     pid, y = 1, 0
@@ -268,18 +290,14 @@ def dashboard() -> dict:
         "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"},
         "timezone": "browser",
-        "annotations": {"list": []},
+        "annotations": {"list": [ALERTS]},
         "links": [],
         "templating": {"list": [
             {"name": "datasource", "label": "Data source", "type": "datasource",
              "query": "prometheus", "current": {}, "hide": 0, "refresh": 1, "regex": ""},
-            {"name": "shard", "label": "Shard", "type": "query", "datasource": DS,
-             "query": {"query": "label_values(rollstream_samples_in_flight, shard)",
-                       "refId": "shard"},
-             "definition": "label_values(rollstream_samples_in_flight, shard)",
-             "includeAll": True, "multi": True, "allValue": ".*",
-             "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-             "refresh": 2, "sort": 3, "hide": 0, "regex": ""},
+            label_variable("namespace", "Namespace", 'rollstream_build_info', multi=False),
+            label_variable("release", "Release", 'rollstream_build_info{namespace=~"$namespace"}', multi=False),
+            label_variable("shard", "Shard", f"rollstream_samples_in_flight{{{RUN}}}", multi=True, sort=3),
             {"name": "window", "label": "Frontier window", "type": "interval",
              "query": "5m,15m,1h,6h,24h", "auto": False, "hide": 0, "refresh": 2,
              "current": {"selected": True, "text": "1h", "value": "1h"},

@@ -385,17 +385,19 @@ usernameFromEnv: ROLLSTREAM_REDIS_USERNAME
 {{/*
 The alerts of docs/operations.md ("Alerts"), as a Prometheus rule file's `groups`: the
 PrometheusRule's spec, and what tests/integration/test_alert_rules.py hands to promtool.
-Every series is this release's namespace's (the label Prometheus gives a scraped pod's).
+Every series is this release's: its namespace and release labels (those the chart's PodMonitor
+and ServiceMonitor give a scraped pod: its namespace, and its app.kubernetes.io/instance label
+as `release`), so two releases in one namespace each get their own alerts.
 */}}
 {{- define "rollstream.alertRules" -}}
 {{- $pr := .Values.monitoring.prometheusRule -}}
-{{- $ns := printf "namespace=%q" .Release.Namespace -}}
+{{- $own := printf "namespace=%q, release=%q" .Release.Namespace .Release.Name -}}
 {{- $stalled := $pr.trainerStalledAfter -}}
 groups:
   - name: rollstream
     rules:
       - alert: RollstreamComponentDown
-        expr: up{ {{- $ns }}, component=~"admission|consumer|trainer"} == 0
+        expr: up{ {{- $own }}, component=~"admission|consumer|trainer"} == 0
         for: 5m
         labels:
           severity: critical
@@ -404,8 +406,8 @@ groups:
           description: "Prometheus has failed to scrape this {{`{{ $labels.component }}`}} for 5 minutes: the process is down, restarting or not answering on its metrics port."
       - alert: RollstreamTrainerStalled
         expr: >-
-          max by (namespace, shard) (increase(rollstream_trainer_steps_total{ {{- $ns }}}[{{ $stalled }}])) == 0
-          and max by (namespace, shard) (rollstream_trainer_steps_total{ {{- $ns }}} offset {{ $stalled }}) >= 0
+          max by (namespace, release, shard) (increase(rollstream_trainer_steps_total{ {{- $own }}}[{{ $stalled }}])) == 0
+          and max by (namespace, release, shard) (rollstream_trainer_steps_total{ {{- $own }}} offset {{ $stalled }}) >= 0
         for: 5m
         labels:
           severity: critical
@@ -414,8 +416,8 @@ groups:
           description: "The trainer runs and exports its metrics but took no optimizer step in the last {{ $stalled }}: it waits for rows that do not come (rollout consumers, admission) or is stuck itself. monitoring.prometheusRule.trainerStalledAfter sets the window; make it a few times the longest step you expect."
       - alert: RollstreamNoRolloutSlots
         expr: >-
-          sum by (namespace) (rollstream_samples_in_flight{ {{- $ns }}}) > 0
-          unless on (namespace) sum by (namespace) (rollstream_consumer_slots{ {{- $ns }}}) > 0
+          sum by (namespace, release) (rollstream_samples_in_flight{ {{- $own }}}) > 0
+          unless on (namespace, release) sum by (namespace, release) (rollstream_consumer_slots{ {{- $own }}}) > 0
         for: 10m
         labels:
           severity: critical
@@ -424,8 +426,8 @@ groups:
           description: "{{`{{ $value }}`}} samples are in flight but no rollout consumer exports its slots: none runs (scaled to zero while there is work, crash-looping, or unable to reach Redis)."
       - alert: RollstreamSlotsIdle
         expr: >-
-          sum by (namespace) (rollstream_consumer_slots_busy{ {{- $ns }}})
-          / sum by (namespace) (rollstream_consumer_slots{ {{- $ns }}}) < {{ $pr.idleSlotsBelow }}
+          sum by (namespace, release) (rollstream_consumer_slots_busy{ {{- $own }}})
+          / sum by (namespace, release) (rollstream_consumer_slots{ {{- $own }}}) < {{ $pr.idleSlotsBelow }}
         for: {{ $pr.idleSlotsFor }}
         labels:
           severity: warning
@@ -433,7 +435,7 @@ groups:
           summary: "rollstream's rollout slots are {{`{{ $value | humanizePercentage }}`}} busy"
           description: "Less than {{ $pr.idleSlotsBelow }} of the consumers' session slots have run a rollout for {{ $pr.idleSlotsFor }}: the scheduler's in-flight target is below the slots, the task supply is short, or the trainer is the bottleneck (its waited time on the dashboard says which). Scale the consumers down or raise scheduler.inflight_samples."
       - alert: RollstreamDeadLetters
-        expr: max by (namespace) (rollstream_stream_length{ {{- $ns }}, stream="dead"}) > 0
+        expr: max by (namespace, release) (rollstream_stream_length{ {{- $own }}, stream="dead"}) > 0
         for: 1m
         labels:
           severity: warning
@@ -441,7 +443,7 @@ groups:
           summary: "rollstream's dead-letter stream holds {{`{{ $value }}`}} entries"
           description: "Entries that could not be decoded were moved to the dead-letter stream, each with its reason (docs/reliability.md). Read them with XRANGE on the run's dead stream, fix their producer, then trim the stream."
       - alert: RollstreamGroupsAbandoned
-        expr: sum by (namespace, shard) (increase(rollstream_groups_abandoned_total{ {{- $ns }}}[1h])) > 0
+        expr: sum by (namespace, release, shard) (increase(rollstream_groups_abandoned_total{ {{- $own }}}[1h])) > 0
         labels:
           severity: warning
         annotations:

@@ -214,8 +214,10 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
           (f"max(rollstream_weights_published_version{{{RUN}}})", "published")]),
         ("Weight push time", "timeseries", "s", "Seconds per weight push.",
          quantiles("rollstream_weights_push_seconds", selector=RUN)),
-        ("Builds", "table", "short", "Running rollstream builds by component and version.",
-         [(f"count by (version, component, run) (rollstream_build_info{{{RUN}}})", "")]),
+        ("Builds", "table", "short",
+         ("Running rollstream processes by run (Kubernetes namespace, Helm release, Redis key "
+         "namespace), component and version."),
+         [(f"count by (namespace, release, run, component, version) (rollstream_build_info{{{RUN}}})", "")]),
     ]),
 ]
 

@@ -168,11 +168,15 @@ def _check_alerts(prom: Prometheus) -> None:
     assert len(rules) == 6 and len(named) == 7, (rules.keys(), named)
     assert [m for m in sorted(named) if not prom.query(m)] == []
     _wait_alert(prom, "RollstreamDeadLetters", {"namespace": "rl", "release": "rs", "severity": "warning"})
-    # the dashboard's annotation finds it by the run's labels (once it fires; pending here)
+    # the dashboard's annotation finds it by the run's labels (once it fires; pending here).
+    # Its ALERTS sample is written after the evaluation that the rules API already shows.
     (annotation,) = json.loads(DASHBOARD.read_text())["annotations"]["list"]
     expr = annotation["expr"].replace('alertstate="firing"', 'alertstate=~"pending|firing"')
-    assert "RollstreamDeadLetters" in {s["metric"]["alertname"] for s in prom.query(
-        promql(expr, namespace="rl", release="rs"))}
+    deadline = time.monotonic() + 30
+    while "RollstreamDeadLetters" not in {s["metric"]["alertname"] for s in prom.query(
+            promql(expr, namespace="rl", release="rs"))}:
+        assert time.monotonic() < deadline, prom.query("ALERTS")
+        time.sleep(0.2)
     assert prom.query(promql(expr, namespace="rl", release="rs-b")) == []
     rules = prom.rules_state()
     assert {name: r["lastError"] for name, r in rules.items() if r["health"] != "ok"} == {}

@@ -126,15 +126,12 @@ RUN_LABELS = ("namespace", "release")
 """The labels that tell runs apart on one Prometheus (the chart's monitors set them)."""
 
 
-def one_run(url: str, window: str, select: str, timeout_s: float) -> None:
-    """Raises a CommandError naming the runs where the sessions `select` picks over `window`
-    come from more than one."""
-    found = _query(url, f"count by ({', '.join(RUN_LABELS)}) (count_over_time("
-                        f"rollstream_session_duration_seconds_count{{{select}}}[{window}]))", timeout_s)
-    runs = sorted(", ".join(f'{k}="{s["metric"].get(k, "")}"' for k in RUN_LABELS) for s in found)
+def _one_run(url: str, window: str, runs: set[str]) -> None:
+    """Raises a CommandError naming `runs` (each as its label matchers) where there are several."""
     if len(runs) > 1:
-        raise CommandError(f"Prometheus at {url} holds the sessions of {len(runs)} runs over {window} "
-                           f"({'; '.join(runs)}): pick one with --select, e.g. --select '{runs[0]}'")
+        names = sorted(runs)
+        raise CommandError(f"Prometheus at {url} holds the sessions of {len(names)} runs over {window} "
+                           f"({'; '.join(names)}): pick one with --select, e.g. --select '{names[0]}'")
 
 
 def from_prometheus(url: str, window: str, timeout_s: float = 10.0, select: str = "") -> dict:
@@ -142,13 +139,15 @@ def from_prometheus(url: str, window: str, timeout_s: float = 10.0, select: str 
     the sessions' fitted median (ms) and shape, the sessions counted by status, the slots
     per shard, and the trainer's step plus push (ms; None without a trainer's series); of
     the one run whose series `select` picks (PromQL label matchers; "": every series)."""
-    one_run(url, window, select, timeout_s)
     sel = f"{{{select}}}"
     buckets: dict[str, list[tuple[float, float]]] = {}
-    for series in _query(url, "sum by (le, status) (increase("
+    runs: set[str] = set()
+    for series in _query(url, f"sum by (le, status, {', '.join(RUN_LABELS)}) (increase("
                          f"rollstream_session_duration_seconds_bucket{sel}[{window}]))", timeout_s):
-        le = float(series["metric"]["le"])
-        buckets.setdefault(series["metric"].get("status", ""), []).append((le, float(series["value"][1])))
+        labels = series["metric"]
+        runs.add(", ".join(f'{k}="{labels.get(k, "")}"' for k in RUN_LABELS))
+        buckets.setdefault(labels.get("status", ""), []).append((float(labels["le"]), float(series["value"][1])))
+    _one_run(url, window, runs)
     counts = {status: round(max((c for _, c in pairs), default=0.0)) for status, pairs in buckets.items()}
     ended = [iv for s in ENDED for iv in intervals(buckets.get(s, []))]
     cut = [iv for s in CUT for iv in intervals(buckets.get(s, []))]

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.skipif(shutil.which("promtool") is None,
                                 reason="no promtool (Debian's prometheus package)")
 
 NS, REL = "rl", "rs"  # the release's namespace and name
+OWN = f'namespace="{NS}", release="{REL}"'  # its series' labels, as matchers
+RUN = {"namespace": NS, "release": REL}  # and as an alert's labels
 
 
 def _rules(tmp_path, values: dict | None = None) -> tuple[dict, str]:
@@ -72,14 +74,14 @@ def test_the_rules_load(tmp_path):
                      "RollstreamSlotsIdle", "RollstreamDeadLetters", "RollstreamGroupsAbandoned"]
     for group in spec["groups"]:
         for rule in group["rules"]:
-            assert f'namespace="{NS}", release="{REL}"' in rule["expr"], rule["alert"]  # this release's series only
+            assert OWN in rule["expr"], rule["alert"]  # this release's series only
             assert rule["labels"]["severity"] in ("critical", "warning")
             assert rule["annotations"]["summary"] and rule["annotations"]["description"]
 
 
 def test_each_alert_fires_when_its_condition_has_held_for_its_for(tmp_path):
     spec, rules = _rules(tmp_path)
-    down = {"namespace": NS, "release": REL, "component": "consumer", "pod": "c-1", "job": "rollstream"}
+    down = {**RUN, "component": "consumer", "pod": "c-1", "job": "rollstream"}
     up = 'up{namespace="%s", release="%s", component="%s", pod="%s", job="rollstream"}'
     cases = [
         # a consumer stops answering at 10m; another namespace's, another release's in this
@@ -90,46 +92,46 @@ def test_each_alert_fires_when_its_condition_has_held_for_its_for(tmp_path):
               _alert(spec, "RollstreamComponentDown", "16m", {**down, "severity": "critical"},
                      **{"$labels.component": "consumer", "$labels.pod": "c-1"})),
         # steps for an hour, then none: the window (1h) empties at 120m, fires 5m later
-        _case({f'rollstream_trainer_steps_total{{namespace="{NS}", release="{REL}", shard="0", pod="t-0"}}': "0+1x60 60x80"},
+        _case({f'rollstream_trainer_steps_total{{{OWN}, shard="0", pod="t-0"}}': "0+1x60 60x80"},
               _alert(spec, "RollstreamTrainerStalled", "119m"),
               _alert(spec, "RollstreamTrainerStalled", "124m"),
               _alert(spec, "RollstreamTrainerStalled", "126m",
-                     {"namespace": NS, "release": REL, "shard": "0", "severity": "critical"}, **{"$labels.shard": "0"})),
+                     {**RUN, "shard": "0", "severity": "critical"}, **{"$labels.shard": "0"})),
         # a trainer started 50 minutes ago still waiting for its first rows: not stalled yet
-        _case({f'rollstream_trainer_steps_total{{namespace="{NS}", release="{REL}", shard="0", pod="t-0"}}': "0x50"},
+        _case({f'rollstream_trainer_steps_total{{{OWN}, shard="0", pod="t-0"}}': "0x50"},
               _alert(spec, "RollstreamTrainerStalled", "50m")),
         # the last consumer goes away at 11m with 10 samples in flight
-        _case({f'rollstream_samples_in_flight{{namespace="{NS}", release="{REL}", shard="0"}}': "10x40",
-               f'rollstream_consumer_slots{{namespace="{NS}", release="{REL}", consumer="c-1"}}': "8x10 stale"},
+        _case({f'rollstream_samples_in_flight{{{OWN}, shard="0"}}': "10x40",
+               f'rollstream_consumer_slots{{{OWN}, consumer="c-1"}}': "8x10 stale"},
               _alert(spec, "RollstreamNoRolloutSlots", "10m"),
               _alert(spec, "RollstreamNoRolloutSlots", "20m"),
-              _alert(spec, "RollstreamNoRolloutSlots", "22m", {"namespace": NS, "release": REL, "severity": "critical"},
+              _alert(spec, "RollstreamNoRolloutSlots", "22m", {**RUN, "severity": "critical"},
                      **{"$value": "10"})),
         # scaled to zero with nothing in flight: as it should be
-        _case({f'rollstream_samples_in_flight{{namespace="{NS}", release="{REL}", shard="0"}}': "0x40"},
+        _case({f'rollstream_samples_in_flight{{{OWN}, shard="0"}}': "0x40"},
               _alert(spec, "RollstreamNoRolloutSlots", "30m")),
         # two consumers, 2 of their 16 slots busy, then 12 from 40m
-        _case({f'rollstream_consumer_slots_busy{{namespace="{NS}", release="{REL}", consumer="c-1"}}': "1x39 6x30",
-               f'rollstream_consumer_slots_busy{{namespace="{NS}", release="{REL}", consumer="c-2"}}': "1x39 6x30",
-               f'rollstream_consumer_slots{{namespace="{NS}", release="{REL}", consumer="c-1"}}': "8x70",
-               f'rollstream_consumer_slots{{namespace="{NS}", release="{REL}", consumer="c-2"}}': "8x70"},
+        _case({f'rollstream_consumer_slots_busy{{{OWN}, consumer="c-1"}}': "1x39 6x30",
+               f'rollstream_consumer_slots_busy{{{OWN}, consumer="c-2"}}': "1x39 6x30",
+               f'rollstream_consumer_slots{{{OWN}, consumer="c-1"}}': "8x70",
+               f'rollstream_consumer_slots{{{OWN}, consumer="c-2"}}': "8x70"},
               _alert(spec, "RollstreamSlotsIdle", "29m"),
-              _alert(spec, "RollstreamSlotsIdle", "31m", {"namespace": NS, "release": REL, "severity": "warning"},
+              _alert(spec, "RollstreamSlotsIdle", "31m", {**RUN, "severity": "warning"},
                      **{"$value | humanizePercentage": "12.5%"}),
               _alert(spec, "RollstreamSlotsIdle", "45m")),
         # three entries dead-lettered at 6m (read by each of two admission shards); the work
         # stream's length is not a dead letter, nor another release's dead letters
         _case({f'rollstream_stream_length{{namespace="{NS}", release="rs-b", stream="dead", pod="b-0"}}': "5x15",
-               f'rollstream_stream_length{{namespace="{NS}", release="{REL}", stream="dead", pod="a-0"}}': "0x5 3x10",
-               f'rollstream_stream_length{{namespace="{NS}", release="{REL}", stream="dead", pod="a-1"}}': "0x5 3x10",
-               f'rollstream_stream_length{{namespace="{NS}", release="{REL}", stream="work", pod="a-0"}}': "100x15"},
+               f'rollstream_stream_length{{{OWN}, stream="dead", pod="a-0"}}': "0x5 3x10",
+               f'rollstream_stream_length{{{OWN}, stream="dead", pod="a-1"}}': "0x5 3x10",
+               f'rollstream_stream_length{{{OWN}, stream="work", pod="a-0"}}': "100x15"},
               _alert(spec, "RollstreamDeadLetters", "6m"),
-              _alert(spec, "RollstreamDeadLetters", "8m", {"namespace": NS, "release": REL, "severity": "warning"},
+              _alert(spec, "RollstreamDeadLetters", "8m", {**RUN, "severity": "warning"},
                      **{"$value": "3"})),
         # one group given up at 11m: an alert for the hour after it
-        _case({f'rollstream_groups_abandoned_total{{namespace="{NS}", release="{REL}", shard="1", pod="a-1"}}': "0x10 1x100"},
+        _case({f'rollstream_groups_abandoned_total{{{OWN}, shard="1", pod="a-1"}}': "0x10 1x100"},
               _alert(spec, "RollstreamGroupsAbandoned", "10m"),
-              _alert(spec, "RollstreamGroupsAbandoned", "30m", {"namespace": NS, "release": REL, "shard": "1", "severity": "warning"},
+              _alert(spec, "RollstreamGroupsAbandoned", "30m", {**RUN, "shard": "1", "severity": "warning"},
                      **{"$labels.shard": "1", "$value | humanize": "1"}),
               _alert(spec, "RollstreamGroupsAbandoned", "75m")),
     ]
@@ -139,18 +141,18 @@ def test_each_alert_fires_when_its_condition_has_held_for_its_for(tmp_path):
 def test_thresholds_come_from_the_values(tmp_path):
     spec, rules = _rules(tmp_path, {"monitoring": {"prometheusRule": {
         "trainerStalledAfter": "30m", "idleSlotsBelow": 0.1, "idleSlotsFor": "10m"}}})
-    steps = f'rollstream_trainer_steps_total{{namespace="{NS}", release="{REL}", shard="0", pod="t-0"}}'
-    busy = {f'rollstream_consumer_slots_busy{{namespace="{NS}", release="{REL}", consumer="c-1"}}': "1x10 0x20",
-            f'rollstream_consumer_slots{{namespace="{NS}", release="{REL}", consumer="c-1"}}': "8x30"}
+    steps = f'rollstream_trainer_steps_total{{{OWN}, shard="0", pod="t-0"}}'
+    busy = {f'rollstream_consumer_slots_busy{{{OWN}, consumer="c-1"}}': "1x10 0x20",
+            f'rollstream_consumer_slots{{{OWN}, consumer="c-1"}}': "8x30"}
     _run(tmp_path, rules, [
         # flat from 60m: the 30m window empties at 90m, fires at 95m
         _case({steps: "0+1x60 60x50"},
               _alert(spec, "RollstreamTrainerStalled", "94m"),
-              _alert(spec, "RollstreamTrainerStalled", "96m", {"namespace": NS, "release": REL, "shard": "0", "severity": "critical"},
+              _alert(spec, "RollstreamTrainerStalled", "96m", {**RUN, "shard": "0", "severity": "critical"},
                      **{"$labels.shard": "0"})),
         # 1 of 8 busy (0.125) is not below 0.1; none busy from 11m is, for 10m from then
         _case(busy, _alert(spec, "RollstreamSlotsIdle", "10m"), _alert(spec, "RollstreamSlotsIdle", "20m"),
-              _alert(spec, "RollstreamSlotsIdle", "22m", {"namespace": NS, "release": REL, "severity": "warning"},
+              _alert(spec, "RollstreamSlotsIdle", "22m", {**RUN, "severity": "warning"},
                      **{"$value | humanizePercentage": "0%"})),
     ])
 

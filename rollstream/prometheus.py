@@ -7,13 +7,14 @@ PATH) and the Grafana dashboard's panel queries, for the integration tests and
         prom.query("rollstream_samples_in_flight")                # instant vector
         prom.query_range(expr, start, end, step_s=2.0)            # matrix
 
-`labels` gives a target's series the labels Kubernetes discovery would (namespace,
-component), and `rules` loads rule files, evaluated every scrape (`rules_state()`: each
+`labels` gives a target's series the labels the chart's monitors would (namespace,
+release, component), and `rules` loads rule files, evaluated every scrape (`rules_state()`: each
 rule's health and, for an alert, its state).
 
 `panels()` reads `helm/rollstream/dashboards/rollstream.json`: each panel's row, title,
 unit and `(expr, legend)` targets; `promql(expr, rate_interval)` makes a panel expression
-plain PromQL (all shards, a fixed rate window), as Grafana does before it sends it.
+plain PromQL (all shards, every run or the one named, a fixed rate window), as Grafana
+does before it sends it.
 """
 
 from __future__ import annotations

@@ -1124,7 +1124,8 @@ def main(config: AdmissionConfig, *, snapshot_every: int | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     recovered = threading.Event()  # ready once the state is rebuilt from Redis
     with serving("admission", config.redis.namespace, config.metrics_addr, offsets={"shard": config.shard},
-                 health=lambda: not stop.is_set(), ready=recovered.is_set) as metrics:
+                 health=lambda: not stop.is_set(), ready=recovered.is_set,
+                 targets=config.metrics_targets) as metrics:
         r = connect(config.redis)
         check(r, config.redis, stop)
         fence = Fence(r, Keys(config.redis.namespace), config.shard, config.shard_lease_s)

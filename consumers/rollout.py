@@ -876,7 +876,7 @@ def main(config: ConsumerConfig, source: Any = None, name: str | None = None) ->
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with serving("consumer", config.redis.namespace, config.metrics_addr,
+    with serving("consumer", config.redis.namespace, config.metrics_addr, targets=config.metrics_targets,
                  health=lambda: not stop.is_set()) as metrics:
         consumer = RolloutConsumer(config, source, connect(config.redis), name=name, metrics=metrics)
         consumer._observe_slots()

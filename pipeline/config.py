@@ -15,7 +15,7 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import yaml
@@ -238,6 +238,13 @@ def metrics_address(addr: str, offsets: Sequence[str] = (), **values: int) -> tu
     return host.strip("[]") or "127.0.0.1", number
 
 
+# every process's `metrics_targets`: where it lists its /metrics for a Prometheus outside Kubernetes
+MetricsTargets = Annotated[str | None, Field(
+    description="a folder where the process lists its /metrics address for Prometheus's "
+    "file_sd_configs (one JSON file, labelled component and release = redis.namespace; created "
+    "at start, removed at exit), for a Prometheus outside Kubernetes; None: not listed")]
+
+
 class AdmissionConfig(_Model):
     """`rollstream admission`: one per trainer rank (shard)."""
 
@@ -266,6 +273,7 @@ class AdmissionConfig(_Model):
     metrics_addr: str = Field(
         "127.0.0.1:9400+shard", description="host:port of /metrics, /healthz and /readyz; +shard adds "
         "the shard to the port (shard 0: 9400, shard 1: 9401), port 0 picks a free one")
+    metrics_targets: MetricsTargets = None
 
     @field_validator("metrics_addr")
     @classmethod
@@ -293,6 +301,7 @@ class ConsumerConfig(_Model):
     metrics_addr: str = Field(
         "127.0.0.1:0", description="host:port of /metrics and /healthz; port 0 (the default) picks "
         "a free one, so that several consumers run from one file on one machine")
+    metrics_targets: MetricsTargets = None
 
     @field_validator("metrics_addr")
     @classmethod

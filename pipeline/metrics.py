@@ -28,9 +28,10 @@ counts a step twice; the rest stay empty in a process's scrape):
 from __future__ import annotations
 
 import contextlib
-
+import json
 import logging
 import math
+import os
 import platform
 import socket
 import threading
@@ -42,6 +43,7 @@ from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import (
@@ -627,11 +629,43 @@ def serve(metrics: Metrics, addr: str = "127.0.0.1:0", *,
     return MetricsServer(host, bound, server, thread)
 
 
+WILDCARDS = ("0.0.0.0", "::")  # a server bound here is reached by the machine's name
+
+
+@contextlib.contextmanager
+def listed(folder: str, component: str, run: str, server: MetricsServer) -> Iterator[Path]:
+    """`server` listed for Prometheus's file-based discovery (`file_sd_configs`) while the
+    block runs: `folder/<component>-<host>-<port>.json` names its address (the machine's
+    name where it listens on every interface) with labels `component` and `release` (the
+    run). The file is written whole (renamed into place, so a scan never reads half of it)
+    and removed at exit; a process that dies leaves it, and its target then reads down.
+    A folder that cannot be written is a `CommandError` naming `metrics_targets`."""
+    host = socket.gethostname() if server.host in WILDCARDS else server.host
+    address = f"[{host}]:{server.port}" if ":" in host else f"{host}:{server.port}"
+    path = Path(folder) / f"{component}-{host.replace(':', '_')}-{server.port}.json"
+    entry = [{"targets": [address], "labels": {"component": component, "release": run}}]
+    partial_path = path.with_name(f".{path.name}.tmp")  # outside a `*.json` glob
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial_path.write_text(json.dumps(entry) + "\n")
+        os.replace(partial_path, path)
+    except OSError as exc:
+        raise CommandError(f"metrics_targets {folder}: cannot list this process's /metrics "
+                           f"there: {exc.strerror or exc}") from exc
+    log.info("listed %s for Prometheus in %s", address, path)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def serving(component: str, run: str, addr: str, *, health: Callable[[], bool],
-            ready: Callable[[], bool] | None = None, offsets: Mapping[str, int] | None = None) -> Iterator[Metrics]:
+            ready: Callable[[], bool] | None = None, offsets: Mapping[str, int] | None = None,
+            targets: str | None = None) -> Iterator[Metrics]:
     """A process's `Metrics`, labelled with its role and run, served until exit on `addr`
-    (a config's `metrics_addr`; `offsets` gives the values of its `+shard` or `+rank`). An
+    (a config's `metrics_addr`; `offsets` gives the values of its `+shard` or `+rank`), and
+    listed in the folder `targets` (a config's `metrics_targets`; `listed`) when given. An
     address that cannot be bound is a `CommandError` naming `metrics_addr`."""
     offsets = dict(offsets or {})
     host, port = metrics_address(addr, tuple(offsets), **offsets)
@@ -646,6 +680,9 @@ def serving(component: str, run: str, addr: str, *, health: Callable[[], bool],
             f"metrics_addr {addr}{resolved}: cannot serve /metrics there: {exc.strerror or exc}. "
             f"Give each process on this machine its own port ({derive}port 0 picks a free one)") from exc
     try:
-        yield metrics
+        with contextlib.ExitStack() as stack:
+            if targets is not None:
+                stack.enter_context(listed(targets, component, run, server))
+            yield metrics
     finally:
         server.stop()

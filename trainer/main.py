@@ -216,7 +216,7 @@ def main(config: RunConfig) -> int:
     started = threading.Event()
     rank = int(os.environ.get("RANK", "0"))  # the launcher's; torch.distributed starts later
     with serving("trainer", config.redis.namespace, config.metrics_addr, offsets={"rank": rank},
-                 health=lambda: True, ready=started.is_set) as metrics:
+                 health=lambda: True, ready=started.is_set, targets=config.metrics_targets) as metrics:
         started.set()
         run(config, stop=stop, metrics=metrics)
     return 0

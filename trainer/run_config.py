@@ -32,7 +32,14 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.config import MAX_MESSAGE_BYTES, RedisConfig, SchedulerConfig, _Model, metrics_address
+from pipeline.config import (
+    MAX_MESSAGE_BYTES,
+    MetricsTargets,
+    RedisConfig,
+    SchedulerConfig,
+    _Model,
+    metrics_address,
+)
 from domain.model_config import ModelConfig
 
 
@@ -156,6 +163,7 @@ class RunConfig(_Model):
     metrics_addr: str = Field(
         "127.0.0.1:9500+rank", description="host:port of /metrics, /healthz and /readyz; +rank adds "
         "the rank to the port (rank 0: 9500, rank 1: 9501), port 0 picks a free one")
+    metrics_targets: MetricsTargets = None
     trainer: TrainerConfig = TrainerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     objective: ObjectiveConfig = ObjectiveConfig()

@@ -42,13 +42,14 @@ import yaml
 from consumers.weights import RedisWeights, decode
 from pipeline import wire
 from pipeline.config import AdmissionConfig, ConsumerConfig, build, load
+from pipeline.errors import CommandError
 from pipeline.processes import Process, free_port
 from pipeline.ready import expand
 from tests.conftest import ROOT
 from trainer.run_config import RunConfig, TrainerConfig
 from trainer.main import batches
 from domain.model import TinyTransformer
-from rollstream.prometheus import Prometheus
+from rollstream.prometheus import Prometheus, api, panels, promql
 from tests.integration.run_metrics import MEDIAN_S, SLOTS, scraped_run
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
@@ -59,8 +60,8 @@ EXAMPLES = ROOT / "examples"
 CHECKED = {"bash", "sh", "shell", "console", "yaml", "yml", "json"}
 COMMANDS = ("rollstream ", "python", "torchrun ", "deepspeed ", "helm ", "docker ", "kubectl ", "redis-", "pip ", "cd ")
 MARK = re.compile(r"^<!--\s*(recipe|file|config|not run):\s*(.+?)\s*-->$")
-RECIPES = {"demo", "local", "two_ranks", "harness", "hf_prompts", "chart_run", "vllm", "tune",
-           "tune_prometheus", "tune_current"}
+RECIPES = {"demo", "local", "local_prometheus", "two_ranks", "harness", "hf_prompts", "chart_run", "vllm",
+           "tune", "tune_prometheus", "tune_current"}
 MODELS = {"RunConfig": RunConfig, "TrainerConfig": TrainerConfig, "AdmissionConfig": AdmissionConfig,
           "ConsumerConfig": ConsumerConfig}
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -192,7 +193,8 @@ def _copy_examples(tmp: Path, subs: dict[str, str]) -> str:
     """examples/ copied under `tmp` (without what earlier runs left), with `subs` applied;
     returns all the text the substitutions could apply to."""
     shutil.copytree(EXAMPLES, tmp / "examples", ignore=shutil.ignore_patterns(
-        "checkpoints", "model", "weights", "rollstream-demo", "steps*.jsonl", "__pycache__"))
+        "checkpoints", "model", "weights", "rollstream-demo", "steps*.jsonl", "__pycache__", "targets",
+        "prometheus-data"))
     seen = []
     for path in (tmp / "examples").rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".py", ".jsonl"):
@@ -317,6 +319,51 @@ def test_local_recipe(tmp_path, redis_url, namespace, r):
     steps = records(run.cwd / "steps.jsonl")
     assert [s["step"] for s in steps] == [0, 1] and all(0 <= s["reward_mean"] <= 1 for s in steps)
     assert "rollout consumers alive: 2" in run.outputs[-1], run.outputs[-1]
+    assert list((run.cwd / "targets").iterdir()) == []  # every process listed itself, then left
+
+
+@SERVER
+@pytest.mark.skipif(not Prometheus.available(), reason="no prometheus binary (Debian's prometheus package)")
+def test_local_prometheus_recipe(tmp_path, redis_url, namespace, r):
+    """docs/operations.md: the local example under a real Prometheus outside Kubernetes,
+    which finds each process by the file it lists in targets/ (the consumer on a free port
+    too): its series carry the component, the run as release and the namespace the dashboard
+    and the alerts select by; the trainer drops out as it exits, and nothing stays listed."""
+    url = f"http://127.0.0.1:{free_port()}"
+    subs = {**run_subs(redis_url, "local", namespace), "127.0.0.1:9090": url.removeprefix("http://")}
+    with recipe("local_prometheus", tmp_path, subs) as run:
+        up = _wait_up(url, namespace, ["admission", "consumer", "consumer"])
+        entries = [json.loads(p.read_text()) for p in (run.cwd / "targets").glob("*.json")]
+        listed = {entry["targets"][0]: entry["labels"] for [entry] in entries}  # the trainer's left with it
+        assert {s["metric"]["instance"]: s["metric"]["component"] for s in up} == {
+            target: labels["component"] for target, labels in listed.items()}
+        assert all(labels["release"] == namespace for labels in listed.values())
+        builds = _panel("Builds")
+        assert {s["metric"]["component"] for s in api(url, "query", {"query": promql(
+            builds, namespace="local", release=namespace)})} == {"admission", "consumer"}
+        assert api(url, "query", {"query": promql(builds, namespace="local", release="another")}) == []
+    assert list((run.cwd / "targets").iterdir()) == []
+
+
+def _panel(title: str) -> str:
+    (panel,) = [p for p in panels() if p.title == title]
+    return panel.targets[0][0]
+
+
+def _wait_up(url: str, release: str, components: list[str], timeout_s: float = 60.0) -> list[dict]:
+    """The `up` series of `release` once exactly `components` (one per target) are scraped up."""
+    query = {"query": f'up{{job="rollstream", namespace="local", release="{release}"}} == 1'}
+    deadline = time.monotonic() + timeout_s
+    up: list[dict] = []
+    while sorted(s["metric"]["component"] for s in up) != components:
+        assert time.monotonic() < deadline, f"scraped up: {up}"
+        time.sleep(0.5)
+        try:
+            up = api(url, "query", query)
+        except CommandError:  # not answering yet: it starts in the background beside the run
+            if time.monotonic() > deadline:
+                raise
+    return up
 
 
 @SERVER

@@ -242,11 +242,12 @@ def test_schema_mirrors_the_config_models():
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]
     assert set(props["scheduler"]["properties"]) == set(SchedulerConfig.model_fields)
-    consumer_fields = set(ConsumerConfig.model_fields) - {"redis", "source", "metrics_addr"}
+    served = {"metrics_addr", "metrics_targets"}  # the chart's: its pods' port, its monitors find them
+    consumer_fields = set(ConsumerConfig.model_fields) - {"redis", "source", *served}
     assert set(props["consumer"]["properties"]["config"]["properties"]) == consumer_fields
-    admission_fields = set(AdmissionConfig.model_fields) - {"redis", "shard", "scheduler", "metrics_addr"}
+    admission_fields = set(AdmissionConfig.model_fields) - {"redis", "shard", "scheduler", *served}
     assert set(props["admission"]["properties"]["config"]["properties"]) == admission_fields
-    trainer_fields = set(RunConfig.model_fields) - {"redis", "metrics_addr", "scheduler", "share"}
+    trainer_fields = set(RunConfig.model_fields) - {"redis", "scheduler", "share", *served}
     assert set(props["trainer"]["properties"]["config"]["properties"]) == trainer_fields
 
 

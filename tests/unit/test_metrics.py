@@ -3,6 +3,8 @@ for real over a socket and parsed with prometheus_client's own parser."""
 
 from __future__ import annotations
 
+import json
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +21,9 @@ from pipeline.metrics import (
     parse_addr,
     sample_names,
     serve,
+    serving,
 )
+from pipeline.errors import CommandError
 from pipeline.scheduler import (
     Cancel,
     Discard,
@@ -321,6 +325,49 @@ def test_serve_binds_port_zero_and_stops(metrics):
     srv.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen(srv.url + "/metrics", timeout=2)
+
+
+def _listing(folder: Path) -> dict[str, list[dict]]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(folder.iterdir())}
+
+
+def test_a_process_lists_its_metrics_for_prometheus_file_discovery_while_it_serves(tmp_path):
+    folder = tmp_path / "targets" / "local"  # made at start
+    with serving("consumer", "run-a", "127.0.0.1:0", health=lambda: True, targets=str(folder)), \
+            serving("admission", "run-a", "127.0.0.1:0", health=lambda: True, targets=str(folder)):
+        listing = _listing(folder)
+        assert sorted(listing) == sorted(f"{e[0]['labels']['component']}-{e[0]['targets'][0].replace(':', '-')}.json"
+                                         for e in listing.values())
+        for name, [entry] in listing.items():  # one target each, with the labels the dashboard selects by
+            component = name.split("-")[0]
+            assert entry["labels"] == {"component": component, "release": "run-a"}
+            (target,) = entry["targets"]
+            assert target.startswith("127.0.0.1:") and target != "127.0.0.1:0"  # the port bound
+            build = value(scrape(f"http://{target}"), "rollstream_build_info", "rollstream_build_info",
+                          component=component, run="run-a")
+            assert build == 1  # the listed address is the process's own /metrics
+        with serving("consumer", "run-a", "127.0.0.1:0", health=lambda: True, targets=str(folder)):
+            assert len(_listing(folder)) == 3
+        assert _listing(folder) == listing  # a process that exits takes only its own entry away
+    assert _listing(folder) == {}  # nothing half-written left behind either
+
+
+def test_a_listing_on_every_interface_names_the_machine_and_goes_on_an_error_too(tmp_path):
+    with pytest.raises(RuntimeError, match="the block failed"):
+        with serving("trainer", "run-b", "0.0.0.0:0", health=lambda: True, targets=str(tmp_path)):
+            [[entry]] = _listing(tmp_path).values()
+            host, _, port = entry["targets"][0].rpartition(":")
+            assert host == socket.gethostname() and int(port) > 0
+            raise RuntimeError("the block failed")
+    assert _listing(tmp_path) == {}
+
+
+def test_a_folder_that_cannot_be_written_names_metrics_targets(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(CommandError, match=f"metrics_targets {blocked}/targets: cannot list"):
+        with serving("consumer", "run-c", "127.0.0.1:0", health=lambda: True, targets=str(blocked / "targets")):
+            pytest.fail("served without its listing")
 
 
 @pytest.mark.parametrize("addr, expected", [

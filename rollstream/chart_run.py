@@ -1714,12 +1714,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "of /usr/bin/redis-server and PATH's of the image's major version)")
 
 
+def _values_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of `--values` and `--set`, rendered by helm-python-sdk, which must be there."""
+    if importlib.util.find_spec("helm_python") is None:
+        raise CommandError("needs helm-python-sdk (pip install -e '.[dev]'), which renders the chart")
+    return load_values(args.values, args.set)
+
+
+def add_alert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--values", "-f", action="append", default=[], metavar="FILE",
+                   help="a values file for the alerts' settings (monitoring.prometheusRule; repeat as helm -f)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a value, as helm --set")
+    p.add_argument("--release", required=True,
+                   help="the run's release label (with metrics_targets: the run's Redis namespace)")
+    p.add_argument("--namespace", required=True, help="the run's namespace label")
+
+
+def alert_rules_from_args(args: argparse.Namespace) -> int:
+    """`rollstream alert-rules`: the chart's alerts for one run, a Prometheus rule file on stdout."""
+    rules = alert_rules(_values_from(args), release=args.release, namespace=args.namespace)
+    sys.stdout.write(yaml.safe_dump(rules, sort_keys=False))
+    return 0
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """`rollstream chart-run`: 0 when the run passed (what was not emulated is listed); a
     failure raises (`ChartRunError`, `ConfigError`), which the command reports in one line."""
-    if importlib.util.find_spec("helm_python") is None:
-        raise CommandError("needs helm-python-sdk (pip install -e '.[dev]'), which renders the chart")
-    values = load_values(args.values, args.set)
+    values = _values_from(args)
     result = run(values, folder=Path(args.out) if args.out else None, timeout_s=args.timeout_s, say=print,
                  chart=Path(args.chart), release=args.release, namespace=args.namespace,
                  secrets=secrets_from(args.secrets), steps=args.steps, redis_server=args.redis_server)

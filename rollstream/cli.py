@@ -199,6 +199,12 @@ def _chart_run(args: argparse.Namespace) -> int:
     return chart_run.run_from_args(args)
 
 
+def _alert_rules(args: argparse.Namespace) -> int:
+    from rollstream import chart_run
+
+    return chart_run.alert_rules_from_args(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollstream", description=__doc__)
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -306,6 +312,10 @@ def parser() -> argparse.ArgumentParser:
                                              "processes: probes, a few trainer steps, the helm test hook")
     chart_run.add_arguments(chart)
     chart.set_defaults(run=_chart_run)
+    rules = sub.add_parser("alert-rules", help="the chart's alerts for one run as a Prometheus rule file "
+                                               "(for a Prometheus outside Kubernetes)")
+    chart_run.add_alert_arguments(rules)
+    rules.set_defaults(run=_alert_rules)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

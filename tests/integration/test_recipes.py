@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,15 +326,16 @@ def test_local_recipe(tmp_path, redis_url, namespace, r):
 @pytest.mark.skipif(not Prometheus.available(), reason="no prometheus binary (Debian's prometheus package)")
 def test_local_prometheus_recipe(tmp_path, redis_url, namespace, r):
     """docs/operations.md: the local example under a real Prometheus outside Kubernetes,
-    which finds each process by the file it lists in targets/ (the consumer on a free port
-    too): its series carry the component, the run as release and the namespace the dashboard
-    and the alerts select by; the trainer drops out as it exits, and nothing stays listed."""
+    which finds each process by the file it lists in targets/ (consumers on free ports too):
+    its series carry the component, the run as release and the namespace the dashboard and
+    the alerts select by; the trainer drops out as it exits, a consumer killed outright reads
+    down and sets off the chart's RollstreamComponentDown, and nothing else stays listed."""
     url = f"http://127.0.0.1:{free_port()}"
-    subs = {**run_subs(redis_url, "local", namespace), "127.0.0.1:9090": url.removeprefix("http://")}
+    subs = {**run_subs(redis_url, "local", namespace), "127.0.0.1:9090": url.removeprefix("http://"),
+            "--release example-local": f"--release {namespace}"}
     with recipe("local_prometheus", tmp_path, subs) as run:
         up = _wait_up(url, namespace, ["admission", "consumer", "consumer"])
-        entries = [json.loads(p.read_text()) for p in (run.cwd / "targets").glob("*.json")]
-        listed = {entry["targets"][0]: entry["labels"] for [entry] in entries}  # the trainer's left with it
+        listed = _listed(run.cwd / "targets")  # the trainer's entry left with it
         assert {s["metric"]["instance"]: s["metric"]["component"] for s in up} == {
             target: labels["component"] for target, labels in listed.items()}
         assert all(labels["release"] == namespace for labels in listed.values())
@@ -342,7 +343,27 @@ def test_local_prometheus_recipe(tmp_path, redis_url, namespace, r):
         assert {s["metric"]["component"] for s in api(url, "query", {"query": promql(
             builds, namespace="local", release=namespace)})} == {"admission", "consumer"}
         assert api(url, "query", {"query": promql(builds, namespace="local", release="another")}) == []
+
+        extra = Process("extra", ["rollstream", "consumer", "--config", "consumer.yaml"], tmp_path / "extra.log",
+                        cwd=run.cwd)
+        try:
+            _wait_up(url, namespace, ["admission", "consumer", "consumer", "consumer"])
+            (killed,) = set(_listed(run.cwd / "targets")) - set(listed)
+        finally:
+            extra.kill()  # no chance to take its entry away: its target reads down
+        down = {"alertname": "RollstreamComponentDown", "alertstate": "pending", "instance": killed,
+                "component": "consumer", "namespace": "local", "release": namespace}
+        _wait_query(url, f'ALERTS{{release="{namespace}"}}', lambda found: any(
+            down.items() <= s["metric"].items() for s in found))
+        assert set(_listed(run.cwd / "targets")) - set(listed) == {killed}
+        (run.cwd / "targets").joinpath(f"consumer-{killed.replace(':', '-')}.json").unlink()  # handled
     assert list((run.cwd / "targets").iterdir()) == []
+
+
+def _listed(folder: Path) -> dict[str, dict]:
+    """Each listed target's labels, by its address."""
+    entries = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+    return {entry["targets"][0]: entry["labels"] for [entry] in entries}
 
 
 def _panel(title: str) -> str:
@@ -350,20 +371,25 @@ def _panel(title: str) -> str:
     return panel.targets[0][0]
 
 
-def _wait_up(url: str, release: str, components: list[str], timeout_s: float = 60.0) -> list[dict]:
+def _wait_up(url: str, release: str, components: list[str]) -> list[dict]:
     """The `up` series of `release` once exactly `components` (one per target) are scraped up."""
-    query = {"query": f'up{{job="rollstream", namespace="local", release="{release}"}} == 1'}
+    return _wait_query(url, f'up{{job="rollstream", namespace="local", release="{release}"}} == 1',
+                       lambda up: sorted(s["metric"]["component"] for s in up) == components)
+
+
+def _wait_query(url: str, query: str, done: Callable[[list[dict]], bool], timeout_s: float = 60.0) -> list[dict]:
+    """The result of `query` once `done` says so, polled until `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    up: list[dict] = []
-    while sorted(s["metric"]["component"] for s in up) != components:
-        assert time.monotonic() < deadline, f"scraped up: {up}"
+    found: list[dict] = []
+    while not done(found):
+        assert time.monotonic() < deadline, f"{query}: {found}"
         time.sleep(0.5)
         try:
-            up = api(url, "query", query)
+            found = api(url, "query", {"query": query})
         except CommandError:  # not answering yet: it starts in the background beside the run
             if time.monotonic() > deadline:
                 raise
-    return up
+    return found
 
 
 @SERVER

@@ -165,7 +165,7 @@ def plot(results: Sequence[tuple[Panel, list[list[dict]]]], start: float, path: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rollstream.dashboard_plot", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="trainer steps (default 40)")
+    p.add_argument("--steps", type=int, default=100, help="trainer steps (default 100)")
     p.add_argument("--out", type=Path, default=OUT, help=f"the PNG (default {OUT.relative_to(ROOT)})")
     p.add_argument("--redis", default=None, help="a Redis URL instead of the embedded Redis")
     p.add_argument("--step-s", type=float, default=1.0, help="query_range resolution in seconds")

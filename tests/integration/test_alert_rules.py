@@ -83,6 +83,7 @@ def test_each_alert_fires_when_its_condition_has_held_for_its_for(tmp_path):
     spec, rules = _rules(tmp_path)
     down = {**RUN, "component": "consumer", "pod": "c-1", "job": "rollstream"}
     up = 'up{namespace="%s", release="%s", component="%s", pod="%s", job="rollstream"}'
+    up_at = 'up{namespace="%s", release="%s", component="%s", instance="%s", job="rollstream"}'
     cases = [
         # a consumer stops answering at 10m; another namespace's, another release's in this
         # namespace, and a healthy admission, do not count
@@ -90,7 +91,12 @@ def test_each_alert_fires_when_its_condition_has_held_for_its_for(tmp_path):
                up % ("other", REL, "consumer", "c-1"): "0x30", up % (NS, "rs-b", "consumer", "c-1"): "0x30"},
               _alert(spec, "RollstreamComponentDown", "14m"),
               _alert(spec, "RollstreamComponentDown", "16m", {**down, "severity": "critical"},
-                     **{"$labels.component": "consumer", "$labels.pod": "c-1"})),
+                     **{"$labels.component": "consumer", "or $labels.pod $labels.instance": "c-1"})),
+        # outside Kubernetes (metrics_targets): no pod, the summary names the target instead
+        _case({up_at % (NS, REL, "trainer", "node-3:9500"): "0x10"},
+              _alert(spec, "RollstreamComponentDown", "6m", {**RUN, "component": "trainer", "instance": "node-3:9500",
+                                                             "job": "rollstream", "severity": "critical"},
+                     **{"$labels.component": "trainer", "or $labels.pod $labels.instance": "node-3:9500"})),
         # steps for an hour, then none: the window (1h) empties at 120m, fires 5m later
         _case({f'rollstream_trainer_steps_total{{{OWN}, shard="0", pod="t-0"}}': "0+1x60 60x80"},
               _alert(spec, "RollstreamTrainerStalled", "119m"),

@@ -355,6 +355,10 @@ def test_local_prometheus_recipe(tmp_path, redis_url, namespace, r):
                 "component": "consumer", "namespace": "local", "release": namespace}
         _wait_query(url, f'ALERTS{{release="{namespace}"}}', lambda found: any(
             down.items() <= s["metric"].items() for s in found))
+        with urllib.request.urlopen(f"{url}/api/v1/alerts", timeout=10) as reply:
+            alerts = json.load(reply)["data"]["alerts"]
+        assert f"rollstream consumer {killed} cannot be scraped" in {
+            a["annotations"]["summary"] for a in alerts if a["labels"].get("instance") == killed}
         assert set(_listed(run.cwd / "targets")) - set(listed) == {killed}
         (run.cwd / "targets").joinpath(f"consumer-{killed.replace(':', '-')}.json").unlink()  # handled
     assert list((run.cwd / "targets").iterdir()) == []

@@ -402,7 +402,7 @@ groups:
         labels:
           severity: critical
         annotations:
-          summary: "rollstream {{`{{ $labels.component }}`}} {{`{{ $labels.pod }}`}} cannot be scraped"
+          summary: "rollstream {{`{{ $labels.component }}`}} {{`{{ or $labels.pod $labels.instance }}`}} cannot be scraped"
           description: "Prometheus has failed to scrape this {{`{{ $labels.component }}`}} for 5 minutes: the process is down, restarting or not answering on its metrics port."
       - alert: RollstreamTrainerStalled
         expr: >-

@@ -31,7 +31,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import platform
 import socket
 import threading
@@ -61,6 +60,7 @@ from prometheus_client.utils import floatToGoString
 
 from pipeline.config import metrics_address
 from pipeline.errors import CommandError
+from pipeline.files import write_whole
 from pipeline.scheduler import Cancel, Discard, SchedulerRecord, Submit
 from pipeline.sessions import Status
 
@@ -637,18 +637,16 @@ def listed(folder: str, component: str, run: str, server: MetricsServer) -> Iter
     """`server` listed for Prometheus's file-based discovery (`file_sd_configs`) while the
     block runs: `folder/<component>-<host>-<port>.json` names its address (the machine's
     name where it listens on every interface) with labels `component` and `release` (the
-    run). The file is written whole (renamed into place, so a scan never reads half of it)
-    and removed at exit; a process that dies leaves it, and its target then reads down.
+    run). The file is written whole (`write_whole`: a scan never reads half of it) and
+    removed at exit; a process that dies leaves it, and its target then reads down.
     A folder that cannot be written is a `CommandError` naming `metrics_targets`."""
     host = socket.gethostname() if server.host in WILDCARDS else server.host
     address = f"[{host}]:{server.port}" if ":" in host else f"{host}:{server.port}"
     path = Path(folder) / f"{component}-{host.replace(':', '_')}-{server.port}.json"
     entry = [{"targets": [address], "labels": {"component": component, "release": run}}]
-    partial_path = path.with_name(f".{path.name}.tmp")  # outside a `*.json` glob
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial_path.write_text(json.dumps(entry) + "\n")
-        os.replace(partial_path, path)
+        write_whole(path, json.dumps(entry).encode() + b"\n")
     except OSError as exc:
         raise CommandError(f"metrics_targets {folder}: cannot list this process's /metrics "
                            f"there: {exc.strerror or exc}") from exc
@@ -680,9 +678,7 @@ def serving(component: str, run: str, addr: str, *, health: Callable[[], bool],
             f"metrics_addr {addr}{resolved}: cannot serve /metrics there: {exc.strerror or exc}. "
             f"Give each process on this machine its own port ({derive}port 0 picks a free one)") from exc
     try:
-        with contextlib.ExitStack() as stack:
-            if targets is not None:
-                stack.enter_context(listed(targets, component, run, server))
+        with listed(targets, component, run, server) if targets is not None else contextlib.nullcontext():
             yield metrics
     finally:
         server.stop()

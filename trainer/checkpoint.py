@@ -25,7 +25,6 @@ resubmitted and none is trained twice in the resumed model's history.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Any
 
 import msgpack
 import torch.distributed as dist
+
+from pipeline.files import write_whole
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +71,11 @@ def save(engine: Any, directory: str | Path, position: Position, *, keep: int = 
     engine.save_checkpoint(str(directory), tag=name, client_state={"rollstream": position.client_state()},
                            save_latest=False)
     if position.data is not None:
-        path = _data_file(directory, name, _rank())
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_bytes(msgpack.packb(position.data, use_bin_type=True))
-        os.replace(partial, path)
+        write_whole(_data_file(directory, name, _rank()), msgpack.packb(position.data, use_bin_type=True))
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        latest = Path(directory) / "latest"
-        partial = latest.with_name(f".latest.{os.getpid()}")
-        partial.write_text(name)
-        os.replace(partial, latest)
+        write_whole(Path(directory) / "latest", name.encode())
         for old in sorted(Path(directory).glob(f"{_PREFIX}*"))[:-keep]:
             if old.is_dir() and old.name != name:
                 shutil.rmtree(old)

@@ -50,6 +50,7 @@ from trainer.run_config import RunConfig, TrainerConfig
 from trainer.main import batches
 from domain.model import TinyTransformer
 from rollstream.prometheus import Prometheus, api, panels, promql
+from tests.integration.helpers import wait_until
 from tests.integration.run_metrics import MEDIAN_S, SLOTS, scraped_run
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
@@ -383,16 +384,17 @@ def _wait_up(url: str, release: str, components: list[str]) -> list[dict]:
 
 def _wait_query(url: str, query: str, done: Callable[[list[dict]], bool], timeout_s: float = 60.0) -> list[dict]:
     """The result of `query` once `done` says so, polled until `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
     found: list[dict] = []
-    while not done(found):
-        assert time.monotonic() < deadline, f"{query}: {found}"
-        time.sleep(0.5)
+
+    def holds() -> bool:
+        nonlocal found
         try:
             found = api(url, "query", {"query": query})
         except CommandError:  # not answering yet: it starts in the background beside the run
-            if time.monotonic() > deadline:
-                raise
+            return False
+        return done(found)
+
+    wait_until(holds, timeout_s, query)
     return found
 
 

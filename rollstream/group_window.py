@@ -10,7 +10,10 @@ pushes every P seconds, P the push interval at the share of capacity asked
 (`bench_schedule.push_interval`). A group trains once `groups` of its results are alive
 (landed and not aged out); every other slot-second it used is wasted. With `pushes=False`
 the window is relaxed further: a result ages out (`max_lag` + 1) x P after it lands,
-whatever the pushes.
+whatever the pushes. With `push_cv` > 0 the pushes come at random intervals instead, as
+`stream`'s do (its step goes out when its groups are complete): independent gamma draws of
+mean P and coefficient of variation `push_cv`, every push time told to the policy in advance
+(which only helps it).
 
 The pipeline, seen one group at a time, is one such policy (its choices hang on other
 groups' sessions, which are independent of this group's), so with the trainer pushing at a
@@ -23,6 +26,7 @@ draw learnt only as it lands, to set beside what `stream` wastes in the pipeline
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -65,6 +69,7 @@ class _Group:
     went (`WASTE`)."""
 
     push_zero: float
+    pushes: list[float] | None = None  # pushes at random intervals: their times so far, from the group's first
     running: dict[int, tuple[float, float]] = field(default_factory=dict)
     alive: dict[int, float] = field(default_factory=dict)
     replaced: set[int] = field(default_factory=set)
@@ -76,13 +81,16 @@ class _Group:
 
 
 def group_waste(workload: dict, lag: int, share: float, policy: GroupPolicy, pushes: bool = True,
-                groups: int = 4000, seed: int = 0) -> dict:
+                groups: int = 4000, seed: int = 0, push_cv: float = 0.0) -> dict:
     """`policy`'s waste share (wasted over busy slot-seconds) over `groups` groups of
     `workload["groups"]` on `workload`'s sessions (log-normal: median `median_ms`, shape
     `sigma`, capped at `cap` medians) at `max_lag` `lag`, the trainer pushing at `share` of
-    the capacity bound; with that share split by where the wasted slot-seconds went
-    (`wasted_by`, each over the busy slot-seconds; see `WASTE`), the trained sessions' mean
-    length over the workload's and the attempts a group takes."""
+    the capacity bound (with `push_cv` > 0, at random intervals of that mean and coefficient
+    of variation); with that share split by where the wasted slot-seconds went (`wasted_by`,
+    each over the busy slot-seconds; see `WASTE`), the trained sessions' mean length over the
+    workload's and the attempts a group takes."""
+    if push_cv < 0 or (push_cv > 0 and not pushes):
+        raise ValueError(f"push_cv={push_cv}: it must be >= 0, and > 0 only with pushes")
     rng = random.Random(seed)
     median, sigma, cap = workload["median_ms"] / 1000, workload["sigma"], workload["cap"]
     mean = capped_lognormal_mean(median, sigma, cap)
@@ -91,29 +99,62 @@ def group_waste(workload: dict, lag: int, share: float, policy: GroupPolicy, pus
     def draw() -> float:
         return min(median * math.exp(rng.gauss(0.0, sigma)), cap * median)
 
+    intervals = PushIntervals(rng, push_s, push_cv) if push_cv > 0 else None
+
     def ages_out(group: _Group, landed_at: float) -> float:
         if not pushes:
             return landed_at + (lag + 1) * push_s
-        interval = math.floor((landed_at - group.push_zero) / push_s)
-        return group.push_zero + (interval + lag + 1) * push_s
+        if intervals is None or group.pushes is None:
+            interval = math.floor((landed_at - group.push_zero) / push_s)
+            return group.push_zero + (interval + lag + 1) * push_s
+        times = group.pushes
+        while times[-1] <= landed_at:
+            times.append(times[-1] + intervals.draw())
+        interval = bisect.bisect_right(times, landed_at) - 1
+        while len(times) <= interval + lag + 1:
+            times.append(times[-1] + intervals.draw())
+        return times[interval + lag + 1]
 
     size = workload["groups"]
     busy = trained = 0.0
     attempts = 0
     wasted = dict.fromkeys(WASTE, 0.0)
     for _ in range(groups):
-        phase = rng.random() if policy.start_phase is None else policy.start_phase
-        group = _Group(push_zero=-phase * push_s)
+        if intervals is None:
+            phase = rng.random() if policy.start_phase is None else policy.start_phase
+            group = _Group(push_zero=-phase * push_s)
+        else:
+            group = _Group(push_zero=0.0, pushes=intervals.around_start(policy.start_phase))
         trained += _run_group(group, size, policy, draw, ages_out)
         busy += group.busy
         attempts += group.attempts
         for where in WASTE:
             wasted[where] += group.wasted[where]
     return {"max_lag": lag, "share": share, "push_interval_s": round(push_s, 4),
-            "pushes": pushes, "waste_share": round((busy - trained) / busy, 4),
+            "pushes": pushes, "push_cv": push_cv, "waste_share": round((busy - trained) / busy, 4),
             "wasted_by": {where: round(w / busy, 4) for where, w in wasted.items()},
             "trained_length_vs_workload": round(trained / (groups * size) / mean, 4),
             "attempts_per_group": round(attempts / groups, 3)}
+
+
+class PushIntervals:
+    """Push intervals drawn from a gamma distribution of mean `mean_s` and coefficient of
+    variation `cv`, and the pushes around a group's start at time 0."""
+
+    def __init__(self, rng: random.Random, mean_s: float, cv: float) -> None:
+        self.rng, self.shape, self.scale = rng, 1.0 / cv**2, mean_s * cv**2
+
+    def draw(self, biased: bool = False) -> float:
+        """One interval; `biased`: drawn by its length, as the interval under way at a
+        random time is (a gamma one shape larger)."""
+        return self.rng.gammavariate(self.shape + (1.0 if biased else 0.0), self.scale)
+
+    def around_start(self, phase: float | None) -> list[float]:
+        """The pushes just before and after the start: `phase` of an interval after a push,
+        or (None) at a random time, uniformly within the interval then under way."""
+        length = self.draw(biased=phase is None)
+        into = length * (self.rng.random() if phase is None else phase)
+        return [-into, length - into]
 
 
 def _run_group(group: _Group, size: int, policy: GroupPolicy, draw, ages_out) -> float:

@@ -2,11 +2,13 @@
 out at the pushes (or a fixed time after they land), under a family of simple policies."""
 
 import math
+import random
 
 import numpy as np
+import pytest
 
 from rollstream.bench_schedule import push_interval, workload_for
-from rollstream.group_window import GroupPolicy, best_group_policy, group_waste, policy_grid
+from rollstream.group_window import GroupPolicy, PushIntervals, best_group_policy, group_waste, policy_grid
 
 W = workload_for(False, median_ms=1000.0)
 SHARE = 0.598  # `batch`'s share at max_lag 1 in BENCHMARKS.md: a push every 2.74 s
@@ -85,3 +87,48 @@ def test_the_waste_is_split_by_where_it_went():
     # a replacement started ahead turns most of it into replacements still running at training
     assert ahead["wasted_by"]["running_at_training"] > 5 * ahead["wasted_by"]["aged_out"] > 0
     assert extra["wasted_by"]["given_up"] > 0
+
+
+def test_pushes_at_random_intervals_have_the_mean_and_spread_asked():
+    push = push_interval(W, SHARE, W["mean_session_s"])
+    rng = random.Random(0)
+    for cv in (0.2, 1.0):
+        intervals = PushIntervals(rng, push, cv)
+        draws = np.array([intervals.draw() for _ in range(40000)])
+        assert abs(draws.mean() / push - 1) < 0.02
+        assert abs(draws.std() / draws.mean() - cv) < 0.03
+    # exponential intervals (cv 1): from a random time, the last push and the next are each
+    # an interval's mean away, so the interval under way is twice as long as most
+    starts = np.array([PushIntervals(rng, push, 1.0).around_start(None) for _ in range(40000)])
+    assert abs(-starts[:, 0].mean() / push - 1) < 0.03
+    assert abs(starts[:, 1].mean() / push - 1) < 0.03
+    at_push = np.array([PushIntervals(rng, push, 1.0).around_start(0.0) for _ in range(40000)])
+    assert (at_push[:, 0] == 0).all() and abs(at_push[:, 1].mean() / push - 1) < 0.03
+
+
+def test_results_age_out_lag_plus_one_random_pushes_after_they_land():
+    push = push_interval(W, SHARE, W["mean_session_s"])
+    # intervals of cv 0.2 are almost never under 0.3 of their mean: a window of this many
+    # pushes outlives every session, and a lag too short for it wastes
+    lag = math.ceil(20.0 / (0.3 * push))
+    out = group_waste(W, lag, SHARE, GroupPolicy(), True, groups=2000, seed=6, push_cv=0.2)
+    assert out["waste_share"] == 0.0 and out["attempts_per_group"] == W["groups"]
+    assert out["push_cv"] == 0.2
+    assert group_waste(W, 1, SHARE, GroupPolicy(), True, groups=2000, seed=6, push_cv=0.2)["waste_share"] > 0.2
+
+
+def test_irregular_pushes_cost_a_group_started_at_a_push():
+    def waste(cv: float, phase: float | None) -> float:
+        policy = GroupPolicy(lead_s=0.5, start_phase=phase)
+        return group_waste(W, 1, SHARE, policy, True, groups=6000, seed=1, push_cv=cv)["waste_share"]
+
+    steady = waste(0.0, 0.0)
+    assert waste(1.0, 0.0) > steady + 0.01
+    # started anywhere, a long interval's start gains a little, and never reaches the steady start
+    assert steady < waste(1.0, None) < waste(0.0, None)
+
+
+def test_push_cv_needs_pushes_and_cannot_be_negative():
+    for pushes, cv in ((True, -0.1), (False, 0.5)):
+        with pytest.raises(ValueError, match="push_cv"):
+            group_waste(W, 1, SHARE, GroupPolicy(), pushes, groups=10, push_cv=cv)

@@ -283,6 +283,7 @@ Action = Union[Submit, Cancel, Discard, PushWeights, Abandon, Emit, Fail]
 # ---------------------------------------------------------------------------- state
 
 _RUNNING, _IDLE, _ADMITTED, _DEAD, _SURPLUS = range(5)
+_COMPACT_MIN = 4096  # entries of admitted members' heaps before the first rebuild
 
 
 class _Sample:
@@ -421,6 +422,18 @@ class Scheduler:
         self._counts: Counter[str] = Counter()
         self._resubmitted: Counter[str] = Counter()
         self._held_credits: dict[int, list] = {}  # backfill="group": gid -> [group, credits]
+        # stream mode, caches (not state: `restore` rebuilds them) by which a handover and
+        # `_replace_ahead` find the groups whose admitted members age without looking through
+        # every group: the handover's, the groups by the versions their members were admitted
+        # at (an entry stays while it may still be so, and goes once found otherwise), and
+        # oversample_start="replace"'s, a heap of (oldest, gid) of each admitted member, taken
+        # as it ages (its group then waits in `_to_replace` until it has its replacements)
+        self._waiting_at: dict[int, set[int]] = {}
+        self._waiting_entries = 0  # of `_waiting_at`
+        self._admitted_by_version: list[tuple[int, int]] = []
+        self._compact_at = _COMPACT_MIN  # entries that have both rebuilt without the gone
+        self._to_replace: set[int] = set()
+        self._backed_up: dict[int, _Group] = {}  # backup_limit: the groups backed up
         self.credits = self.target = 0
         self._admit_default = 0
 
@@ -471,6 +484,8 @@ class Scheduler:
             raise ProtocolError(f"step {ev.step} handed over before batch {ev.step} was registered")
         if ev.published is not None:
             self.served = max(self.served, ev.published)
+        if ev.updates < self.updates and self._replacing:  # members it took may age again
+            self._rebuild_admitted()
         self.updates = ev.updates
         if self.updates - self.served >= self.config.sync_every:
             out.append(PushWeights(self.updates))
@@ -481,9 +496,13 @@ class Scheduler:
             # admitted members of groups still waiting on a straggler that fell past the
             # bound now: resubmitted at once, so that they run beside the straggler rather
             # than after it, when the group completes and is re-checked at consumption
-            waiting = [g for g in self._groups.values() if g.admitted and not g.complete]
+            backing_up = self.config.oversample_start == "straggler"
+            # the members past the bound now, and, for backups, those past it at the next
+            # handover (`_back_up_stragglers`' horizon)
+            limit = self.updates - self.config.max_lag + (1 if backing_up else -1)
+            waiting = [g for g in self._admitted_by(limit) if g.admitted and not g.complete]
             self._recheck_lag(waiting, self._complete, out)
-            if self.config.oversample_start == "straggler":
+            if backing_up:
                 self._back_up_stragglers(waiting)
         if self.config.admission == "batch":
             for b in sorted(self._batches):
@@ -520,6 +539,8 @@ class Scheduler:
             return
         sample.state, sample.oldest = _ADMITTED, oldest
         group.admitted.append(sample.index)
+        if self.config.admission == "stream":
+            self._note_admitted(oldest, group.id)
         if len(group.admitted) == self.config.groups:
             self._complete_group(group, out)
 
@@ -597,11 +618,14 @@ class Scheduler:
                     if not group.complete and self._can_complete(group, self._queued()):
                         sample.state = _IDLE  # replaced: not run again, its slot a spare
                         sample.failures = 0  # for the new sample the slot may carry
+                        self._to_replace.add(group.id)  # a spare for another ageing member
                         continue
                 self._resubmit_sample(group, sample, "stale", out)
             if stale and group.complete:
                 group.complete = False
                 complete.remove(group.id)
+                if self._replacing:  # its members that age may need replacements again
+                    self._to_replace.add(group.id)
 
     def _recheck_complete(self, out: list[Action]) -> None:
         """`_recheck_lag` of the complete groups (stream mode) not yet found fresh at the
@@ -614,6 +638,60 @@ class Scheduler:
         groups = [self._groups[g] for g in self._complete if g not in self._lag_checked]
         self._recheck_lag(groups, self._complete, out)
         self._lag_checked.update(g.id for g in groups if g.complete)
+
+    def _admitted_by(self, limit: int) -> list[_Group]:
+        """The live groups with a member admitted at version `limit` or older, in the order
+        they were made in; entries found wrong on the way (the member went, or its group)
+        are dropped."""
+        found: dict[int, _Group] = {}
+        for version in [v for v in self._waiting_at if v <= limit]:
+            gids = self._waiting_at[version]
+            for gid in list(gids):
+                group = self._groups.get(gid)
+                if group is not None and any(group.samples[i].oldest == version for i in group.admitted):
+                    found[gid] = group
+                else:
+                    gids.discard(gid)
+                    self._waiting_entries -= 1
+            if not gids:
+                del self._waiting_at[version]
+        return [found[gid] for gid in sorted(found)]
+
+    def _note_admitted(self, oldest: int, gid: int) -> None:
+        """Stream mode: a member of group `gid` admitted with its oldest call at `oldest`.
+        An entry goes only once a handover finds it wrong, so those of groups trained or
+        dropped before their members aged are cleared out by a rebuild once there are twice
+        as many as after the last."""
+        gids = self._waiting_at.get(oldest)
+        if gids is None:
+            gids = self._waiting_at[oldest] = set()
+        if gid not in gids:
+            gids.add(gid)
+            self._waiting_entries += 1
+            if self._waiting_entries > self._compact_at:
+                self._rebuild_admitted()
+        if self._replacing:
+            heapq.heappush(self._admitted_by_version, (oldest, gid))
+            if len(self._admitted_by_version) > self._compact_at:
+                self._rebuild_admitted()
+
+    def _rebuild_admitted(self) -> None:
+        """Both caches made anew from the live groups (`replace`'s heap with the members that
+        aged already: their groups are looked at once more, to no effect)."""
+        self._waiting_at = {}
+        for group in self._groups.values():
+            for i in group.admitted:
+                self._waiting_at.setdefault(group.samples[i].oldest, set()).add(group.id)
+        self._waiting_entries = sum(map(len, self._waiting_at.values()))
+        if self._replacing:
+            self._admitted_by_version = self._admitted_entries()
+        self._compact_at = 2 * max(self._waiting_entries, len(self._admitted_by_version)) + _COMPACT_MIN
+
+    def _admitted_entries(self) -> list[tuple[int, int]]:
+        """(oldest, gid) of every admitted member of the live groups, as a heap."""
+        heap = [(g.samples[i].oldest, g.id) for g in self._groups.values() for i in g.admitted]
+        heapq.heapify(heap)
+        return heap
 
     def _cancel_stale_running(self, out: list[Action]) -> None:
         """Cancel running rollouts whose submission is already past the bound (their first
@@ -727,9 +805,14 @@ class Scheduler:
         if target - len(self._complete) > self.config.replace_ahead * target:
             return
         aging = self.updates - self.config.max_lag  # this old: stale at the next handover
+        heap, candidates = self._admitted_by_version, self._to_replace
+        while heap and heap[0][0] <= aging:
+            candidates.add(heapq.heappop(heap)[1])
         queued: set[int] | None = None
-        for group in self._groups.values():
-            if group.complete:
+        for gid in sorted(candidates):  # the order the groups were made in
+            group = self._groups.get(gid)
+            candidates.discard(gid)  # until a member ages, a spare frees or it re-opens
+            if group is None or group.complete:
                 continue
             for i in group.admitted:
                 if group.samples[i].oldest > aging or i in group.replaced:
@@ -803,14 +886,19 @@ class Scheduler:
     def _backups_in_flight(self) -> int:
         """Extra samples of backed-up groups still waiting for their result: running, or
         queued for a credit."""
+        for gid, group in list(self._backed_up.items()):
+            if self._groups.get(gid) is not group:
+                del self._backed_up[gid]  # trained or dropped
         return sum(s.state in (_RUNNING, _IDLE)
-                   for g in self._groups.values() if g.backed_up and not g.complete
+                   for g in self._backed_up.values() if not g.complete
                    for s in g.samples[self.config.groups:])
 
     def _back_up(self, group: _Group) -> None:
         """Queue `group`'s extra samples, first attempts that wait for credits like
         resubmissions."""
         group.backed_up = True
+        if self.config.backup_limit is not None:  # `_backups_in_flight` counts them
+            self._backed_up[group.id] = group
         for sample in group.samples[self.config.groups:]:
             if sample.state == _IDLE and sample.attempt < 0:
                 self._resubmit.append((group, sample, None))
@@ -895,6 +983,8 @@ class Scheduler:
             self._counts["cancelled"] += 1
         self._tasks.clear()
         self._resubmit.clear()
+        if self._replacing:  # the samples that waited for credits are spares again
+            self._to_replace.update(self._groups)
 
     def _require_open(self) -> None:
         if self.epoch < 0:
@@ -1044,6 +1134,10 @@ class Scheduler:
         sched._resubmitted = Counter(s["resubmitted"])
         sched._admit_default = s["admit_default"]
         sched._held_credits = {objs[g].id: [objs[g], n] for g, n in s.get("held_credits", [])}
+        if config.admission == "stream":
+            sched._rebuild_admitted()
+            if config.backup_limit is not None:
+                sched._backed_up = {g.id: g for g in sched._groups.values() if g.backed_up}
         return sched
 
 

@@ -7,6 +7,11 @@ the same rate whatever N is: only the size of the state differs. A trainer hando
 every emitted step. The wall time spent in `handle` is divided by the number of events. A
 flat cost from 1k to 100k samples in flight is the claim; the ratio of the largest to the
 smallest is reported (each size's best of `repeats` runs, the least disturbed by other work).
+A handover's own cost (`handover_us`, the mean over the run's handovers; it is in the per-event
+figure too) shows that a step's work does not grow with the samples in flight either.
+`--stream-config` sets the stream policy's other fields (`oversample`, `oversample_start`, ...)
+to measure a setting of one's own; `max_lag` stays out of reach (nothing goes stale), so what
+is measured is the bookkeeping, not resubmissions.
 """
 
 from __future__ import annotations
@@ -17,21 +22,30 @@ import random
 import time
 from collections import deque
 
-from pipeline.config import SchedulerConfig
+from pipeline.config import SchedulerConfig, build
+from pipeline.errors import CommandError
 from pipeline.scheduler import Emit, Finish, Handover, Open, Register, Scheduler, Submit
 from pipeline.sessions import Status, Task
+from rollstream.bench_schedule import add_stream_config
 
 GROUPS = 8
 WINDOW = 64  # results arrive from among the oldest WINDOW running samples
 
 
-def measure(inflight: int, events: int = 20_000, seed: int = 0) -> dict:
-    """Microseconds per scheduling event with `inflight` samples in flight, and the samples
+def measure(inflight: int, events: int = 20_000, seed: int = 0,
+            stream_config: dict | None = None) -> dict:
+    """Microseconds per scheduling event with `inflight` samples in flight (`stream_config`:
+    the stream policy's other fields), the mean microseconds of a handover, and the samples
     in flight and steps emitted at the end (to show the workload was what it claims)."""
+    fixed = {"admission", "groups", "inflight_samples", "admit", "max_lag", "ahead", "timeout_s"}
+    if clash := sorted(fixed & set(stream_config or {})):
+        raise CommandError(f"--stream-config: {', '.join(clash)} the bench sets itself")
     rng = random.Random(seed)
     admit = 32
-    config = SchedulerConfig(admission="stream", groups=GROUPS, inflight_samples=inflight,
-                             admit=admit, max_lag=10**6, ahead=1, timeout_s=3600.0)
+    config = build(SchedulerConfig, {
+        **(stream_config or {}), "admission": "stream", "groups": GROUPS,
+        "inflight_samples": inflight, "admit": admit, "max_lag": 10**6, "ahead": 1,
+        "timeout_s": 3600.0})
     sched = Scheduler(config)
     running: deque = deque()
     batch = 0
@@ -52,9 +66,10 @@ def measure(inflight: int, events: int = 20_000, seed: int = 0) -> dict:
         return sched.handle(Register(batch - 1, tasks), 0.0)
 
     apply(sched.handle(Open(0), 0.0))
-    while sched.credits >= GROUPS or batch == 0:
+    # tasks for every credit (group_start="handover" starts most groups at the handover)
+    while batch == 0 or (sched.credits >= config.group_size and len(sched._tasks) < inflight):
         apply(register())
-    step, now, spent, done = 0, 0.0, 0.0, 0
+    step, now, spent, handovers, done = 0, 0.0, 0.0, 0.0, 0
     apply(sched.handle(Handover(step, step), now))
     while done < events:
         if len(sched._tasks) < inflight:  # keep tasks available, outside the timing
@@ -67,40 +82,54 @@ def measure(inflight: int, events: int = 20_000, seed: int = 0) -> dict:
         acts = sched.handle(Finish(key, Status.COMPLETED, 1.0, step), now)
         if apply(acts) and sched.pending_step is None:
             step += 1
-            acts = sched.handle(Handover(step, step), now)
-            apply(acts)
+            t1 = time.perf_counter()
+            apply(sched.handle(Handover(step, step), now))
+            handovers += time.perf_counter() - t1
             done += 1
         spent += time.perf_counter() - t0
         done += 1
-    return {"us_per_event": spent / done * 1e6, "in_flight": sched.in_flight, "steps": step}
+    return {"us_per_event": spent / done * 1e6, "us_per_handover": handovers / max(step, 1) * 1e6,
+            "in_flight": sched.in_flight, "steps": step}
 
 
 def run(sizes: tuple[int, ...] = (1_000, 10_000, 100_000), events: int = 20_000,
-        repeats: int = 3) -> dict:
+        repeats: int = 3, stream_config: dict | None = None) -> dict:
     """The best of `repeats` runs per size (the least disturbed by other work on the
     machine), and the ratio of the largest size's cost to the smallest's."""
-    per_event = {str(n): round(min(measure(n, events, seed)["us_per_event"]
-                                   for seed in range(repeats)), 2) for n in sizes}
+    best = {n: min((measure(n, events, seed, stream_config) for seed in range(repeats)),
+                   key=lambda m: m["us_per_event"]) for n in sizes}
+    per_event = {str(n): round(m["us_per_event"], 2) for n, m in best.items()}
     values = list(per_event.values())
     return {
         "per_event_us": per_event,
+        "handover_us": {str(n): round(m["us_per_handover"], 1) for n, m in best.items()},
         "events": events,
         "repeats": repeats,
+        "stream_config": stream_config or {},
         "ratio": round(values[-1] / values[0], 3),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollstream bench scale", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--events", type=int, default=20_000)
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
-    result = run(events=args.events, repeats=args.repeats)
+    p.add_argument("--repeats", type=int, default=3, help="runs per size; the best counts")
+    add_stream_config(p)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = run(events=args.events, repeats=args.repeats, stream_config=args.stream_config)
     if args.json:
         print(json.dumps(result))
     else:
         for n, us in result["per_event_us"].items():
-            print(f"{int(n):>7d} in flight: {us:8.2f} us/event")
+            print(f"{int(n):>7d} in flight: {us:8.2f} us/event, "
+                  f"{result['handover_us'][n]:8.1f} us/handover")
         print(f"largest / smallest: {result['ratio']}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rollstream bench scale", description=__doc__)
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))

@@ -110,8 +110,7 @@ def _bench_pack(args: argparse.Namespace) -> int:
 def _bench_scale(args: argparse.Namespace) -> int:
     from rollstream import bench_scale
 
-    return bench_scale.main((["--json"] if args.json else [])
-                            + ["--events", str(args.events), "--repeats", str(args.repeats)])
+    return bench_scale.run_from_args(args)
 
 
 def _bench_schedule(args: argparse.Namespace) -> int:
@@ -322,12 +321,11 @@ def parser() -> argparse.ArgumentParser:
     pack = bench_sub.add_parser("pack", help="non-pad share and packing time per length mix")
     pack.add_argument("--json", action="store_true")
     pack.set_defaults(run=_bench_pack)
+    from rollstream import bench_admission, bench_scale, bench_schedule
+
     scale = bench_sub.add_parser("scale", help="scheduler cost per event, 1k to 100k in flight")
-    scale.add_argument("--json", action="store_true")
-    scale.add_argument("--events", type=int, default=20_000)
-    scale.add_argument("--repeats", type=int, default=3, help="runs per size; the best counts")
+    bench_scale.add_arguments(scale)
     scale.set_defaults(run=_bench_scale)
-    from rollstream import bench_admission, bench_schedule
 
     schedule = bench_sub.add_parser("schedule", help="sync, group, batch and stream policies on the whole pipeline")
     bench_schedule.add_arguments(schedule)

@@ -1,11 +1,18 @@
+import pytest
+
+from pipeline.errors import CommandError
 from rollstream import bench_scale
+
+REPLACE = {"oversample": 4, "oversample_start": "replace", "replace_ahead": 0.55,
+           "stale_running": "finish"}
 
 
 def test_scale_bench_reports_cost_per_event_for_each_size():
     result = bench_scale.run(sizes=(200, 2_000), events=2_000, repeats=2)
-    assert set(result) == {"per_event_us", "events", "repeats", "ratio"}
-    assert set(result["per_event_us"]) == {"200", "2000"}
+    assert set(result) == {"per_event_us", "handover_us", "events", "repeats", "stream_config", "ratio"}
+    assert set(result["per_event_us"]) == set(result["handover_us"]) == {"200", "2000"}
     assert all(v > 0 for v in result["per_event_us"].values())
+    assert all(v > 0 for v in result["handover_us"].values())
     assert result["ratio"] == round(
         result["per_event_us"]["2000"] / result["per_event_us"]["200"], 3)
 
@@ -14,3 +21,18 @@ def test_scale_bench_keeps_the_in_flight_target_and_emits_steps():
     out = bench_scale.measure(1_000, events=3_000)
     assert 1_000 - bench_scale.GROUPS < out["in_flight"] <= 1_000
     assert out["steps"] >= 3_000 // (32 * bench_scale.GROUPS) - 1
+
+
+@pytest.mark.parametrize("config", [REPLACE, {**REPLACE, "group_start": "handover"},
+                                    {"oversample": 1, "oversample_start": "straggler", "backup_limit": 8}])
+def test_scale_bench_runs_a_stream_setting_of_ones_own(config):
+    # a setting that starts groups only at handovers has them all started at the first, and
+    # later leaves at most a step's worth of credits waiting for the next
+    out = bench_scale.measure(1_000, events=3_000, stream_config=config)
+    assert 1_000 - 32 * bench_scale.GROUPS < out["in_flight"] <= 1_000
+    assert out["steps"] >= 3_000 // (32 * bench_scale.GROUPS) - 1
+
+
+def test_scale_bench_refuses_a_setting_of_what_it_fixes_itself():
+    with pytest.raises(CommandError, match="inflight_samples, max_lag the bench sets itself"):
+        bench_scale.measure(1_000, events=10, stream_config={"max_lag": 2, "inflight_samples": 5})

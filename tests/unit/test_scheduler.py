@@ -4,6 +4,7 @@ weight pushes, epochs, broken sources, SchedulerRecord) and of sample-completion
 import pytest
 
 from pipeline.config import ConfigError, SchedulerConfig, build
+import pipeline.scheduler as scheduler_module
 from pipeline.scheduler import Handover, ProtocolError, Register, Scheduler
 from pipeline.sessions import Task
 from tests.unit.driver import (
@@ -600,6 +601,19 @@ def test_straggler_oversample_waits_while_the_admitted_members_are_fresh():
     assert d.ended.get(straggler) == "finish" and len(d.submitted) == 2
 
 
+def test_straggler_oversample_backs_up_once_a_member_would_be_stale_at_the_next_handover():
+    d = _stream(inflight_samples=6, admit=1, groups=2, oversample=1, max_lag=3, ahead=1,
+                oversample_start="straggler", stale_running="finish")
+    d.register(0, n=2)
+    g0, g1 = d.groups()
+    fast, straggler = d.running_of(g0)
+    d.finish(fast, oldest=0)
+    assert of(Submit, d.handover(0, updates=1)) == []  # 0 > 1 - 3 + 1: not yet
+    assert of(Emit, d.finish_group(g1, oldest=1))
+    (backup,) = of(Submit, d.handover(1, updates=2))  # 0 <= 2 - 3 + 1: due now
+    assert (backup.key.group, backup.key.sample) == (g0, 2) and straggler in d.running()
+
+
 def test_straggler_oversample_submits_the_extra_samples_once_the_group_needs_them():
     d = _stream(inflight_samples=3, admit=1, groups=2, oversample=1, max_attempts=1,
                 oversample_start="straggler")
@@ -674,6 +688,47 @@ def test_replace_oversample_replaces_each_member_the_next_handover_makes_stale_a
     (trained,) = emit.groups
     assert {k.sample for k in trained.samples} == {straggler.sample, 3, 4}
     assert emit.record.resubmitted["stale"] == 0
+
+
+def test_members_admitted_before_a_restore_get_their_replacements_as_they_age_after_it():
+    d = _replacing()
+    d.register(0, n=3)
+    g0, g1, g2 = d.groups()
+    d.handover(0, updates=1)
+    a, b, _ = d.running_of(g0)
+    d.finish(a, oldest=1)
+    d.finish(b, oldest=1)  # fresh at update 1: nothing to replace yet
+    assert of(Submit, d.finish_group(g1, oldest=1)) == []
+    assert of(Emit, d.finish_group(g2, oldest=1))  # step 0 out
+    d.sched = Scheduler.restore(d.sched.config, d.sched.snapshot())
+    d.handover(1, updates=2)  # a and b stale at the next handover now
+    d.register(1, n=3)
+    g3 = next(g for g in d.groups() if g not in (g0, g1, g2))
+    acts = d.finish_group(g3, oldest=2)  # the step lacks half of it: replacements for a and b
+    assert sorted((s.key.group, s.key.sample, s.key.attempt) for s in of(Submit, acts)
+                  if s.key.group == g0) == [(g0, 3, 0), (g0, 4, 0)]
+
+
+@pytest.mark.parametrize("start", ["replace", "straggler"])
+def test_the_admitted_members_caches_are_cleared_of_trained_groups_when_nothing_ages(monkeypatch, start):
+    # with a bound nothing reaches, no member ever ages: the trained groups' entries are
+    # cleared by rebuilds, so the caches stay within twice the most members admitted at once,
+    # plus 64
+    monkeypatch.setattr(scheduler_module, "_COMPACT_MIN", 64)
+    d = _stream(inflight_samples=12, admit=2, groups=2, oversample=1, max_lag=10**6, ahead=1,
+                oversample_start=start)
+    sizes, most = [], 0
+    for step in range(200):
+        d.register(step, n=2)
+        while d.running():
+            d.finish(d.running()[0], oldest=d.updates)
+            most = max(most, sum(len(g.admitted) for g in d.sched._groups.values()))
+        assert of(Emit, d.handover(step, updates=step)) or step == 0
+        sizes.append((d.sched._waiting_entries, len(d.sched._admitted_by_version)))
+        assert d.sched._waiting_entries == sum(map(len, d.sched._waiting_at.values()))
+        assert max(sizes[-1]) <= 2 * most + 64
+        assert start == "replace" or sizes[-1][1] == 0
+    assert len(d.submitted) > 4 * 64 and max(map(max, sizes)) > 64  # rebuilt, not merely small
 
 
 def test_a_replaced_member_runs_again_when_its_group_cannot_complete_without_it():

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.scheduler import FAILURE_CAUSE, Finish
+from pipeline.scheduler import _IDLE, _RUNNING, FAILURE_CAUSE, Finish
 from tests.unit.driver import Cancel, Discard, Driver, Emit, Status, Submit, of
 
 FAILURES = set(FAILURE_CAUSE.values()) | {"unscored", "timeout"}
@@ -112,7 +112,20 @@ class Run:
         self.d.publish(self.d.sched.served + self.draw(st.integers(0, 1)))
 
     def op_handover(self):
+        sched = self.d.sched
+        if self.cfg.get("oversample_start") == "straggler":  # checked as the handover's own
+            on_handover = sched._on_handover  # rules end, before later rules change the groups
+
+            def checked(ev, out):
+                on_handover(ev, out)
+                if not sched._broken:
+                    assert stragglers_left(sched) == [], "a group due a backup left without it"
+
+            sched._on_handover = checked
         self.d.handover(updates=self.d.updates + self.draw(self.jumps))
+        sched.__dict__.pop("_on_handover", None)
+        if self.cfg["admission"] == "stream":
+            assert sched._broken or stale_left(sched) == [], "a stale member left in a waiting group"
 
     def op_finish(self):
         d = self.d
@@ -183,6 +196,45 @@ class Run:
             starts = cfg["group_start"] == "any" or len(sched._groups) < max(1, sched._admit_default)
             if sched._tasks and not sched._broken and starts:  # group_start="handover": between
                 assert sched.credits < cfg["groups"] + cfg["oversample"]  # handovers, credits wait
+        if cfg.get("oversample_start") == "replace":
+            assert replacements_left(sched) == [], "an ageing member left without its replacement"
+
+
+def stale_left(sched) -> list[tuple[int, int]]:
+    """Stream mode, after a handover: the admitted members past the bound in the groups still
+    waiting for others (each should have been discarded and resubmitted)."""
+    bound = sched.updates - sched.config.max_lag
+    return [(g.id, i) for g in sched._groups.values() if not g.complete for i in g.admitted
+            if g.samples[i].oldest < bound]
+
+
+def stragglers_left(sched) -> list[int]:
+    """oversample_start="straggler", after a handover: the waiting groups that a look
+    through every group finds due a backup (no more than `oversample` running, a member past
+    the bound at the next handover) and not backed up, beyond what `backup_limit` leaves
+    room for."""
+    cfg, horizon = sched.config, sched.updates - sched.config.max_lag + 1
+    due = sorted((min(g.samples[i].oldest for i in g.admitted), g.id, g) for g in sched._groups.values()
+                 if g.admitted and not g.complete and not g.backed_up
+                 and sum(s.state == _RUNNING for s in g.samples) <= cfg.oversample
+                 and min(g.samples[i].oldest for i in g.admitted) <= horizon)
+    if due and cfg.backup_limit is not None:
+        _, _, first = due[0]
+        extra = sum(s.state == _IDLE and s.attempt < 0 for s in first.samples[cfg.groups:])
+        if sched._backups_in_flight() + extra > cfg.backup_limit:
+            return []  # no room for the first in line, so none was backed up
+    return [gid for _, gid, _ in due]
+
+
+def replacements_left(sched) -> list[tuple[int, int]]:
+    """oversample_start="replace": the (group, member) pairs that a look through every group
+    would give a replacement now (the machine keeps only the groups that may need one)."""
+    target = sched._admit_default
+    if sched.pending_step is None or target - len(sched._complete) > sched.config.replace_ahead * target:
+        return []
+    aging, queued = sched.updates - sched.config.max_lag, sched._queued()
+    return [(g.id, i) for g in sched._groups.values() if not g.complete for i in g.admitted
+            if g.samples[i].oldest <= aging and i not in g.replaced and sched._spare(g, queued)]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -495,10 +495,10 @@ class Scheduler:
         if self.config.admission == "stream":
             # admitted members of groups still waiting on a straggler that fell past the
             # bound now: resubmitted at once, so that they run beside the straggler rather
-            # than after it, when the group completes and is re-checked at consumption
+            # than after it, when the group completes and is re-checked at consumption. Only
+            # groups with a member admitted at `limit` or older can hold one (or, for
+            # backups, one past the bound at the next handover: `_back_up_stragglers`' horizon)
             backing_up = self.config.oversample_start == "straggler"
-            # the members past the bound now, and, for backups, those past it at the next
-            # handover (`_back_up_stragglers`' horizon)
             limit = self.updates - self.config.max_lag + (1 if backing_up else -1)
             waiting = [g for g in self._admitted_by(limit) if g.admitted and not g.complete]
             self._recheck_lag(waiting, self._complete, out)

@@ -678,20 +678,15 @@ class Scheduler:
     def _rebuild_admitted(self) -> None:
         """Both caches made anew from the live groups (`replace`'s heap with the members that
         aged already: their groups are looked at once more, to no effect)."""
+        entries = [(g.samples[i].oldest, g.id) for g in self._groups.values() for i in g.admitted]
         self._waiting_at = {}
-        for group in self._groups.values():
-            for i in group.admitted:
-                self._waiting_at.setdefault(group.samples[i].oldest, set()).add(group.id)
+        for oldest, gid in entries:
+            self._waiting_at.setdefault(oldest, set()).add(gid)
         self._waiting_entries = sum(map(len, self._waiting_at.values()))
         if self._replacing:
-            self._admitted_by_version = self._admitted_entries()
+            heapq.heapify(entries)
+            self._admitted_by_version = entries
         self._compact_at = 2 * max(self._waiting_entries, len(self._admitted_by_version)) + _COMPACT_MIN
-
-    def _admitted_entries(self) -> list[tuple[int, int]]:
-        """(oldest, gid) of every admitted member of the live groups, as a heap."""
-        heap = [(g.samples[i].oldest, g.id) for g in self._groups.values() for i in g.admitted]
-        heapq.heapify(heap)
-        return heap
 
     def _cancel_stale_running(self, out: list[Action]) -> None:
         """Cancel running rollouts whose submission is already past the bound (their first

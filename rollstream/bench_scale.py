@@ -37,15 +37,12 @@ def measure(inflight: int, events: int = 20_000, seed: int = 0,
     """Microseconds per scheduling event with `inflight` samples in flight (`stream_config`:
     the stream policy's other fields), the mean microseconds of a handover, and the samples
     in flight and steps emitted at the end (to show the workload was what it claims)."""
-    fixed = {"admission", "groups", "inflight_samples", "admit", "max_lag", "ahead", "timeout_s"}
-    if clash := sorted(fixed & set(stream_config or {})):
+    own = {"admission": "stream", "groups": GROUPS, "inflight_samples": inflight, "admit": 32,
+           "max_lag": 10**6, "ahead": 1, "timeout_s": 3600.0}
+    if clash := sorted(own.keys() & (stream_config or {}).keys()):
         raise CommandError(f"--stream-config: {', '.join(clash)} the bench sets itself")
     rng = random.Random(seed)
-    admit = 32
-    config = build(SchedulerConfig, {
-        **(stream_config or {}), "admission": "stream", "groups": GROUPS,
-        "inflight_samples": inflight, "admit": admit, "max_lag": 10**6, "ahead": 1,
-        "timeout_s": 3600.0})
+    config = build(SchedulerConfig, {**(stream_config or {}), **own})
     sched = Scheduler(config)
     running: deque = deque()
     batch = 0

@@ -36,15 +36,14 @@ import json
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
 import numpy as np
 
 from pipeline import wire
-from pipeline.collector import collect_less
+from pipeline.collector import collecting_less
 from pipeline.config import AdmissionConfig, RedisConfig, build
 from pipeline.keys import Keys
 from pipeline.metrics import Metrics
@@ -91,21 +90,8 @@ def raw_floor(r, stream: str, group: str, sink: str, n: int, count: int,
 
 def run(url: str, rollouts: int = 2048, admit: int = 8, prompt: int = 256,
         completion: int = 768, width: int = 4096, seed: int = 0, metrics: bool = True) -> dict:
-    with _collecting_less():
+    with collecting_less():
         return _run(url, rollouts, admit, prompt, completion, width, seed, metrics)
-
-
-@contextmanager
-def _collecting_less() -> Iterator[None]:
-    """The garbage collector's settings of the admission process (`collect_less`) while the
-    loops run, Python's back after (this may run inside another program: the tests)."""
-    threshold = gc.get_threshold()
-    collect_less()
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
 
 
 def _run(url: str, rollouts: int, admit: int, prompt: int, completion: int, width: int,

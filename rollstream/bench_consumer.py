@@ -42,7 +42,8 @@ from pathlib import Path
 import msgpack
 
 from pipeline import wire
-from rollstream.bench_admission import _collecting_less, raw_floor
+from rollstream.bench_admission import raw_floor
+from pipeline.collector import collecting_less
 from pipeline.config import ConsumerConfig, RedisConfig, build
 from pipeline.keys import WORK_GROUP, Keys
 from pipeline.redis_io import connect, delete_namespace, embedded
@@ -51,7 +52,7 @@ from pipeline.sessions import Call, Session, SessionRequest, Status, Task
 
 
 def run(url: str, sessions: int = 2048, slots: int = 64, prompt: int = 256, completion: int = 768) -> dict:
-    with _collecting_less():  # the collector's settings of the consumer process (`rollout.main`)
+    with collecting_less():  # the collector's settings of the consumer process (`rollout.main`)
         return _run(url, sessions, slots, prompt, completion)
 
 

@@ -1,9 +1,10 @@
 """Simulations spread over worker processes, their inputs and reports passed as JSON lines.
 
 `run_simulations` maps `bench_schedule.simulate_policy` over a list of (policy, workload)
-jobs. With one worker it runs them in this process; with more it starts that many
-`python -m rollstream.sim_workers` processes and hands each a job as the one before it
-comes back, so a slow setting does not hold up the rest. A job goes out as one JSON line,
+jobs, under the garbage collector settings of the pipeline's long-running processes
+(`pipeline.collector`). With one worker it runs them in this process; with more it starts
+that many `python -m rollstream.sim_workers` processes and hands each a job as the one
+before it comes back, so a slow setting does not hold up the rest. A job goes out as one JSON line,
 `{"policy": ..., "workload": ...}`, and its report comes back as one, `{"report": ...}`:
 JSON keeps every float exactly, so the reports equal the in-process ones. A simulation that
 raises comes back as `{"error": ..., "message": ...}` and stops the run with the same
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from pipeline.collector import collect_less, collecting_less
 from pipeline.errors import ConfigError
 from rollstream.bench_schedule import mean_over_seeds, simulate_policy
 
@@ -67,10 +69,11 @@ def run_simulations(jobs: Sequence[Job], workers: int = 1,
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1 or len(jobs) < 2:
         reports = []
-        for i, (policy, workload) in enumerate(jobs):
-            reports.append(simulate_policy(policy, workload))
-            if done:
-                done(i)
+        with collecting_less():  # as a worker process collects (`serve`)
+            for i, (policy, workload) in enumerate(jobs):
+                reports.append(simulate_policy(policy, workload))
+                if done:
+                    done(i)
         return reports
     return _Pool(min(workers, len(jobs))).run(jobs, done)
 
@@ -180,7 +183,10 @@ def _tail(err, lines: int = 5) -> str:
 
 def serve() -> None:
     """A worker: one report line on stdout for each job line on stdin, until stdin closes;
-    anything else printed goes to stderr."""
+    anything else printed goes to stderr. It collects garbage as the admission process does
+    (`collect_less`): under Python's defaults the collector's scans of the scheduler took 9
+    s of a 52 s frontier simulation at 4,096 slots, under these 2 s (BENCHMARKS.md)."""
+    collect_less()
     out, sys.stdout = sys.stdout, sys.stderr
     for line in sys.stdin:
         job = json.loads(line)

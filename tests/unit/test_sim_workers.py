@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from pipeline.collector import YOUNG_COLLECTION_EVERY
 from pipeline.errors import ConfigError
 from rollstream.bench_schedule import simulate_policy, workload_for
 from rollstream.sim_workers import WorkerError, cpu_quota, default_workers, run_simulations
@@ -58,6 +59,28 @@ def test_a_worker_that_dies_stops_the_run_with_its_stderr(monkeypatch):
     monkeypatch.setattr(sim_workers.subprocess, "Popen", dying)
     with pytest.raises(WorkerError, match="no such worker here"):
         run_simulations(_jobs(), workers=2)
+
+
+def test_simulations_run_under_the_pipeline_processes_collector_settings(monkeypatch):
+    import gc
+    import json
+    import subprocess
+    import sys
+
+    import rollstream.sim_workers as sim_workers
+
+    threshold = gc.get_threshold()
+    seen = []
+    monkeypatch.setattr(sim_workers, "simulate_policy", lambda policy, w: seen.append(gc.get_threshold()) or {})
+    run_simulations(_jobs()[:2], workers=1)
+    assert seen == [(YOUNG_COLLECTION_EVERY, *threshold[1:])] * 2
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0  # this process's own back
+    # a worker process: its simulation sees the same settings
+    worker = ("import gc, rollstream.sim_workers as w; "
+              "w.simulate_policy = lambda p, wl: {'young': gc.get_threshold()[0]}; w.serve()")
+    job = json.dumps({"policy": "stream", "workload": {}}) + "\n"
+    out = subprocess.run([sys.executable, "-c", worker], input=job, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == {"report": {"young": YOUNG_COLLECTION_EVERY}}
 
 
 def test_no_workers_is_refused():

@@ -17,10 +17,11 @@ is measured is the bookkeeping, not resubmissions.
 The bench runs under the admission process's garbage collector settings
 (`pipeline.collector.collect_less`), and holds Python's cyclic collector off while the
 events are timed, after a full collection. A collection of the older generations scans
-every object the scheduler holds (about 0.1 s at 100,000 in flight), and whether one fell
-inside a timed call or in the untimed registration of new tasks decided a run's figure (9
-or 18 us an event at 100,000). What a full collection of the state costs is reported beside
-the figures (`collect_ms`): a pause of the process that holds the scheduler. `--collector`
+every object the scheduler holds (0.1 s or more at 100,000 in flight). Under Python's
+defaults, whether one fell inside a timed call or between them (the untimed registration of
+new tasks allocates the most) decided a run's figure: 10, or 18 to 24 us an event at
+100,000 on a busy machine. What a full collection of the state costs is reported beside the
+figures (`collect_ms`): a pause of the process that holds the scheduler. `--collector`
 leaves the collector on and reports its cost spread over the events (`collector_us`), which
 does grow with the state (`BENCHMARKS.md`).
 """

@@ -6,8 +6,9 @@ running samples), so groups complete, new groups are backfilled and steps are em
 the same rate whatever N is: only the size of the state differs. A trainer handover follows
 every emitted step. The wall time spent in `handle` is divided by the number of events. A
 flat cost from 1k to 100k samples in flight is the claim; the ratio of the largest to the
-smallest is reported (each size's best of `repeats` runs, the least disturbed by other work; the
-sizes take turns, so that a slow spell of the host does not fall on one size alone).
+smallest is reported (each size's best of `repeats` runs, the least disturbed by other
+work; the sizes take turns, so that a slow spell of the host does not fall on one size
+alone).
 A handover's own cost (`handover_us`, the mean over the run's handovers; it is in the per-event
 figure too) shows that a step's work does not grow with the samples in flight either.
 `--stream-config` sets the stream policy's other fields (`oversample`, `oversample_start`, ...)
@@ -129,9 +130,8 @@ def run(sizes: tuple[int, ...] = (1_000, 10_000, 100_000), events: int = 20_000,
         repeats: int = 3, stream_config: dict | None = None, collector: bool = False) -> dict:
     """The best of `repeats` runs per size (the least disturbed by other work on the
     machine; the sizes take turns), and the ratio of the largest size's cost to the
-    smallest's; with `collector`
-    (`measure`'s), the collector's microseconds per event, the mean over every run (the
-    best run would be the one with the fewest collections)."""
+    smallest's; with `collector` (`measure`'s), the collector's microseconds per event, the
+    mean over every run (the best run would be the one with the fewest collections)."""
     runs: dict[int, list[dict]] = {n: [] for n in sizes}
     for seed in range(repeats):  # the sizes in turn, so that a slow spell of the host hits them alike
         for n in sizes:

@@ -4,12 +4,12 @@
 jobs, under the garbage collector settings of the pipeline's long-running processes
 (`pipeline.collector`). With one worker it runs them in this process; with more it starts
 that many `python -m rollstream.sim_workers` processes and hands each a job as the one
-before it comes back, so a slow setting does not hold up the rest. A job goes out as one JSON line,
-`{"policy": ..., "workload": ...}`, and its report comes back as one, `{"report": ...}`:
-JSON keeps every float exactly, so the reports equal the in-process ones. A simulation that
-raises comes back as `{"error": ..., "message": ...}` and stops the run with the same
-message (a `ConfigError` as one); a worker that dies stops it with its last lines of
-stderr.
+before it comes back, so a slow setting does not hold up the rest. A job goes out as one
+JSON line, `{"policy": ..., "workload": ...}`, and its report comes back as one,
+`{"report": ...}`: JSON keeps every float exactly, so the reports equal the in-process
+ones. A simulation that raises comes back as `{"error": ..., "message": ...}` and stops the
+run with the same message (a `ConfigError` as one); a worker that dies stops it with its
+last lines of stderr.
 """
 
 from __future__ import annotations

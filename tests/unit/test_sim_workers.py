@@ -7,6 +7,7 @@ import pytest
 
 from pipeline.collector import YOUNG_COLLECTION_EVERY
 from pipeline.errors import ConfigError
+from pipeline.processes import child_env
 from rollstream.bench_schedule import simulate_policy, workload_for
 from rollstream.sim_workers import WorkerError, cpu_quota, default_workers, run_simulations
 
@@ -79,7 +80,8 @@ def test_simulations_run_under_the_pipeline_processes_collector_settings(monkeyp
     worker = ("import gc, rollstream.sim_workers as w; "
               "w.simulate_policy = lambda p, wl: {'young': gc.get_threshold()[0]}; w.serve()")
     job = json.dumps({"policy": "stream", "workload": {}}) + "\n"
-    out = subprocess.run([sys.executable, "-c", worker], input=job, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", worker], input=job, capture_output=True, text=True, check=True,
+                         env=child_env())  # this tree's code, whatever is installed
     assert json.loads(out.stdout) == {"report": {"young": YOUNG_COLLECTION_EVERY}}
 
 

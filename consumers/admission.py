@@ -575,7 +575,7 @@ class Admission:
             return Register(msg.batch, msg.tasks)
         if msg.step == self.sched.pending_step:
             return f"step {msg.step} is already pending"
-        return Handover(msg.step, msg.updates, msg.published)
+        return Handover(msg.step, msg.updates, msg.published, msg.steps_left)
 
     def _check_run_config(self, msg: wire.Open) -> None:
         """The trainer's scheduler config is the run's: an epoch opened under another one

@@ -131,7 +131,10 @@ def _fields(event: Event) -> dict:
         return {"t": "register", "b": event.batch,
                 "tasks": [[t.id, dict(t.payload)] for t in event.tasks]}
     if isinstance(event, Handover):
-        return {"t": "handover", "step": event.step, "u": event.updates, "p": event.published}
+        fields = {"t": "handover", "step": event.step, "u": event.updates, "p": event.published}
+        if event.steps_left is not None:  # additive: a journal written before it has none
+            fields["l"] = event.steps_left
+        return fields
     if isinstance(event, Open):
         return {"t": "open", "epoch": event.epoch}
     if isinstance(event, Publish):
@@ -155,7 +158,7 @@ def _event(d: dict) -> tuple[Event, float]:
     if kind == "register":
         return Register(d["b"], tuple(Task(i, p) for i, p in d["tasks"])), now
     if kind == "handover":
-        return Handover(d["step"], d["u"], d["p"]), now
+        return Handover(d["step"], d["u"], d["p"], d.get("l")), now
     if kind == "open":
         return Open(d["epoch"]), now
     if kind == "publish":

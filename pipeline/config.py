@@ -82,6 +82,12 @@ class SchedulerConfig(_Model):
         None, ge=1, description="stream mode: task batches registered beyond the step being "
         "trained, the window new groups are drawn from; None: three in-flight targets' worth "
         "of groups, at least ahead (see registered_ahead)")
+    end_backups: int = Field(
+        0, ge=0, description="stream mode: while the trainer waits for one of its run's last "
+        "end_backups steps (its handovers say how many steps follow), every running rollout of "
+        "a group not yet complete gets one backup from the group's extra rollouts (oversample; "
+        "counted with backup_limit's backups, never held back by it): with no later step to "
+        "start work for, a slot is better spent racing a straggler. 0: off")
     stale_running: Literal["cancel", "finish"] = Field(
         "cancel", description="a running rollout submitted past the bound: cancelled at once "
         "(its first call was made under that version), or left to finish and judged by its "
@@ -126,6 +132,11 @@ class SchedulerConfig(_Model):
         for name, default in (("oversample_start", "group"), ("group_start", "any")):  # stream-only
             if getattr(self, name) != default and self.admission != "stream":
                 raise ValueError(f"{name}={getattr(self, name)!r} needs admission='stream'")
+        if self.end_backups and self.admission != "stream":
+            raise ValueError(f"end_backups={self.end_backups} needs admission='stream'")
+        if self.end_backups and self.oversample < 1:
+            raise ValueError(f"end_backups={self.end_backups} needs oversample >= 1: a group's "
+                             "backups are its extra rollouts")
         if self.oversample_start == "replace" and self.oversample < 1:
             raise ValueError("oversample_start='replace' needs oversample >= 1: a group's first "
                              "replacement is one of its extra rollouts")

@@ -36,7 +36,11 @@ while its group can still complete, and its slot can carry the next replacement)
 With `group_start="handover"` new groups start only while a Handover is handled (the
 trainer's weights just pushed) or while the groups not yet trained cannot fill a step; a
 credit freed between handovers that no resubmission, backup or replacement takes waits for
-the next one (the conservation above still holds).
+the next one (the conservation above still holds). With `end_backups` K, once the trainer
+waits for one of the run's last K steps (each `Handover` says how many steps follow it), every
+running sample of a group not yet complete gets one backup from its group's extra samples:
+with no later step to start work for, a slot is better spent racing a straggler of the steps
+that remain.
 
 Stream mode with `backfill="group"` (additive; the legacy group-gated baseline that sample
 backfill replaces): the credit of an ended sample is held by its group until every sample of
@@ -148,11 +152,13 @@ class Register:
 @dataclass(frozen=True)
 class Handover:
     """The trainer calls for step `step` after `updates` optimizer updates. `published`, when
-    given, is a weight version the trainer already published before this call."""
+    given, is a weight version the trainer already published before this call; `steps_left`,
+    when given, how many more steps the trainer will call for after this one (its run's end)."""
 
     step: int
     updates: int
     published: int | None = None
+    steps_left: int | None = None
 
 
 @dataclass(frozen=True, init=False)
@@ -395,6 +401,8 @@ class Scheduler:
         self._maybe_emit(out)
         if self._replacing:
             self._replace_ahead()
+        if self._ending:
+            self._back_up_ending()
         self._backfill(out)  # emission may have queued stale resubmissions, or replacements
         return out
 
@@ -434,6 +442,11 @@ class Scheduler:
         self._compact_at = _COMPACT_MIN  # entries that have both rebuilt without the gone
         self._to_replace: set[int] = set()
         self._backed_up: dict[int, _Group] = {}  # backup_limit: the groups backed up
+        self._final_step: int | None = None  # the run's last step, as the latest handover said
+        # end_backups: whether the pending step is one of the run's last `end_backups`, and the
+        # groups to look at for backups (every live one as it begins, then those submitted to)
+        self._ending = False
+        self._end_candidates: set[int] = set()
         self.credits = self.target = 0
         self._admit_default = 0
 
@@ -491,6 +504,8 @@ class Scheduler:
             out.append(PushWeights(self.updates))
             self.served = self.updates
         self._pending, self._handover_at, self._last_step = ev.step, self._now, ev.step
+        self._final_step = None if ev.steps_left is None else ev.step + ev.steps_left
+        self._begin_ending()
         self._cancel_stale_running(out)
         if self.config.admission == "stream":
             # admitted members of groups still waiting on a straggler that fell past the
@@ -888,16 +903,37 @@ class Scheduler:
                    for g in self._backed_up.values() if not g.complete
                    for s in g.samples[self.config.groups:])
 
-    def _back_up(self, group: _Group) -> None:
-        """Queue `group`'s extra samples, first attempts that wait for credits like
-        resubmissions."""
+    def _back_up(self, group: _Group, most: int | None = None) -> None:
+        """Queue `group`'s extra samples never run (the first `most` of them, when given),
+        first attempts that wait for credits like resubmissions."""
         group.backed_up = True
         if self.config.backup_limit is not None:  # `_backups_in_flight` counts them
             self._backed_up[group.id] = group
-        for sample in group.samples[self.config.groups:]:
-            if sample.state == _IDLE and sample.attempt < 0:
-                self._resubmit.append((group, sample, None))
-                self._counts["backups"] += 1
+        extras = [s for s in group.samples[self.config.groups:] if s.state == _IDLE and s.attempt < 0]
+        for sample in extras[:most]:
+            self._resubmit.append((group, sample, None))
+            self._counts["backups"] += 1
+
+    def _begin_ending(self) -> None:
+        """end_backups, at a handover: whether the step called for is one of the run's last
+        `end_backups` steps; if so, every live group is looked at for backups."""
+        final, k = self._final_step, self.config.end_backups
+        self._ending = bool(k) and final is not None and self._pending is not None and self._pending > final - k
+        self._end_candidates = set(self._groups) if self._ending else set()
+
+    def _back_up_ending(self) -> None:
+        """end_backups, while the trainer waits for one of the run's last steps: each group
+        looked at that is not complete, not backed up and has samples running gets one backup
+        per running sample, from its extra samples never run (counted with `backup_limit`'s,
+        never held back by it)."""
+        candidates, self._end_candidates = self._end_candidates, set()
+        for gid in sorted(candidates):  # the order the groups were made in
+            group = self._groups.get(gid)
+            if group is None or group.complete or group.backed_up:
+                continue
+            running = sum(s.state == _RUNNING for s in group.samples)
+            if running:
+                self._back_up(group, running)
 
     def _resubmit_sample(self, group: _Group, sample: _Sample, cause: str, out: list[Action]) -> None:
         self._resubmitted[cause] += 1
@@ -920,6 +956,8 @@ class Scheduler:
         if self.config.stale_running == "cancel":  # what `_cancel_stale_running` looks through
             heapq.heappush(self._by_version, (self.served, next(self._seq), key))
         self._running[key] = (group, sample)
+        if self._ending:
+            self._end_candidates.add(group.id)
         out.append(Submit(key, group.task, self.served, deadline, cause))
 
     # -------------------------------------------------------------- cancellation
@@ -1037,6 +1075,8 @@ class Scheduler:
         self._counts.clear()
         self._resubmitted.clear()
         self._pending = None
+        self._ending = False
+        self._end_candidates.clear()
         return Emit(step, tuple(groups), record, tuple(dropped))
 
     # -------------------------------------------------------------- persistence
@@ -1097,6 +1137,8 @@ class Scheduler:
         }
         if held:  # additive: only a group-backfill machine holds credits
             snap["held_credits"] = held
+        if self._final_step is not None:  # additive: only a handover naming the run's end sets it
+            snap["final_step"] = self._final_step
         return snap
 
     @classmethod
@@ -1129,6 +1171,8 @@ class Scheduler:
         sched._resubmitted = Counter(s["resubmitted"])
         sched._admit_default = s["admit_default"]
         sched._held_credits = {objs[g].id: [objs[g], n] for g, n in s.get("held_credits", [])}
+        sched._final_step = s.get("final_step")
+        sched._begin_ending()  # every live group looked at again: those already seen are skipped
         if config.admission == "stream":
             sched._rebuild_admitted()
             if config.backup_limit is not None:

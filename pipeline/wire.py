@@ -608,13 +608,17 @@ class Registration(_ShardMessage):
     tasks: tuple[Task, ...]
 
 
-@_message("handover", **_SHARD, step=_int, updates=_int, published=_opt(_int))
+@_message("handover", **_SHARD, step=_int, updates=_int, published=_opt(_int), steps_left=_opt(_int))
 @dataclass(frozen=True, eq=False)
 class Handover(_ShardMessage):
-    """The trainer calls for step `step` after `updates` updates (`published`: its pushed version)."""
+    """The trainer calls for step `step` after `updates` updates (`published`: its pushed
+    version; `steps_left`: the steps it will call for after this one, when it knows)."""
     step: int
     updates: int
     published: int | None = None
+    steps_left: int | None = None
+
+    ADDED: ClassVar[frozenset[str]] = frozenset({"steps_left"})
 
 
 @_message("work", **_SAMPLE, task=_task, submitted_version=_int, deadline=_opt(_nonneg_float),

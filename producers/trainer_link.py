@@ -95,8 +95,11 @@ class TaskWriter:
     def register(self, epoch: int, batch: int, tasks: Sequence[Task]) -> bytes:
         return self._append(wire.Registration(self.shard, epoch, batch, tuple(tasks)))
 
-    def handover(self, epoch: int, step: int, updates: int, published: int | None = None) -> bytes:
-        return self._append(wire.Handover(self.shard, epoch, step, updates, published))
+    def handover(self, epoch: int, step: int, updates: int, published: int | None = None,
+                 steps_left: int | None = None) -> bytes:
+        """Call for `step` (`steps_left`: the steps the trainer will call for after it, when
+        it knows: the scheduler's `end_backups` acts on the run's last steps)."""
+        return self._append(wire.Handover(self.shard, epoch, step, updates, published, steps_left))
 
     def announce_weights(self, version: int, location: str, digest: str = "", size: int = 0) -> bytes:
         """Append weight `version` (served from `location`) to the shared weights stream."""

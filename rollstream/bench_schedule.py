@@ -374,7 +374,7 @@ def run_policy(name: str, url: str, workload: dict, tmp: Path) -> dict:
                     writer.announce_weights(updates, location="bench")
                     published = pub = updates
                 start = time.monotonic()
-                writer.handover(epoch, step, updates, pub)
+                writer.handover(epoch, step, updates, pub, steps_left=steps - step - 1)
                 ready = writer.wait_ready(epoch, step, workload["step_timeout_s"])
                 waited += time.monotonic() - start
                 records.append(ready.record)

@@ -164,6 +164,7 @@ class Simulation:
         self.trained: set[tuple[int, int, int]] = set()  # (group, sample, attempt) emitted
         self._next_batch = 0
         self._updates = 0
+        self._steps = 0  # the run's length, its handovers tell the scheduler
 
     # ------------------------------------------------------------------ driving
 
@@ -172,7 +173,8 @@ class Simulation:
         acts = self.sched.handle(Open(0), self.now)
         for _ in range(self.config.registered_ahead + 1):
             acts += self._register()
-        acts += self.sched.handle(Handover(0, self._updates), self.now)
+        self._steps = n
+        acts += self.sched.handle(Handover(0, self._updates, steps_left=n - 1), self.now)
         emitted = 0
         while emitted < n:
             for emit in self._apply(acts):
@@ -200,7 +202,8 @@ class Simulation:
     def _trained(self, step: int) -> list:
         self._updates += 1
         acts = self._register()  # the trainer's prefetch reads the next batch
-        return acts + self.sched.handle(Handover(step + 1, self._updates), self.now)
+        left = self._steps - step - 2  # the steps after step + 1
+        return acts + self.sched.handle(Handover(step + 1, self._updates, steps_left=left), self.now)
 
     # ------------------------------------------------------------------ slots
 

@@ -120,7 +120,8 @@ def train(
     history: list[StepRecord] = []
     for batch in scheduler.tasks(dataset):
         # 1. hand over batch i (pushing the weights first when they are sync_every behind)
-        rows = scheduler(batch, model)
+        left = None if steps is None else steps - len(history) - 1  # the steps after this one
+        rows = scheduler(batch, model, steps_left=left)
         record: SchedulerRecord = scheduler.record
         start = time.monotonic()
 

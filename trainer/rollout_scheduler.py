@@ -126,6 +126,7 @@ class RolloutScheduler:
         backup_limit: int | None = None,
         group_start: str = "any",
         supply: int | None = None,
+        end_backups: int = 0,
         stale_running: str = "cancel",
         redis: str | RedisConfig | None = None,
         shard: int = 0,
@@ -145,7 +146,7 @@ class RolloutScheduler:
             admission=admission, width=width, rows=rows, batch_size=batch_size,
             inflight_samples=inflight_samples, backfill=backfill, oversample_start=oversample_start,
             replace_ahead=replace_ahead, backup_limit=backup_limit, group_start=group_start,
-            supply=supply, stale_running=stale_running))
+            supply=supply, end_backups=end_backups, stale_running=stale_running))
         if redis is not None and source is not None:
             logger.warning("a source was given with a Redis URL: consumers run elsewhere; unused")
         if redis is None and source is None:
@@ -292,8 +293,10 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ a trainer call
 
-    def __call__(self, batch: Batch, variables: Any) -> Rows:
-        """Hand the next batch over and return its packed rows."""
+    def __call__(self, batch: Batch, variables: Any, steps_left: int | None = None) -> Rows:
+        """Hand the next batch over and return its packed rows; `steps_left`, when known, is
+        how many steps the trainer will call for after this one (`end_backups` acts on the
+        run's last steps)."""
         self._check_consumers()
         if self.epoch < 0:
             raise RuntimeError("iterate scheduler.tasks(dataset) before calling the scheduler")
@@ -316,7 +319,7 @@ class RolloutScheduler:
         start = time.monotonic()
         ready, failed = None, None
         if self.reader:
-            self.writer.handover(self.epoch, step, self.updates, published)
+            self.writer.handover(self.epoch, step, self.updates, published, steps_left)
             try:
                 ready = self._wait_ready(step, start + self.step_timeout_s)
                 arrays = expand(ready.arrays)

@@ -20,8 +20,8 @@ SCHEDULER = {"admission": "batch", "groups": 2, "batch_size": 3, "admit": 2, "ah
              "max_lag": 1, "width": 64, "rows": 4}
 
 
-def _admission(r, redis_config) -> Admission:
-    config = build(AdmissionConfig, {"redis": redis_config.model_dump(), "scheduler": SCHEDULER,
+def _admission(r, redis_config, scheduler: dict = SCHEDULER) -> Admission:
+    config = build(AdmissionConfig, {"redis": redis_config.model_dump(), "scheduler": scheduler,
                                      "block_ms": 1, "trim_every_s": 3600.0, "lease_s": 3600.0})
     return Admission(config, r, snapshot_every=10_000)
 

@@ -12,6 +12,7 @@ import torch
 from domain.envs import VOCAB, ArithmeticEnv
 from consumers.sources.policy import PolicySource
 from consumers.weights import RedisWeights, WeightsLoader
+from pipeline import wire
 from pipeline.config import ConfigError, build
 from pipeline.redis_io import connect
 from producers.publishers import RedisPublisher
@@ -112,6 +113,9 @@ def test_loop_trains_through_the_pipeline_and_pushes_weights_back():
             history = train(engine, sched, objective,
                             [{"task_id": list(range(i * 8, i * 8 + 8))} for i in range(6)],
                             steps=4, on_step=steps.append)
+            # each handover told the admission how many steps the run had left after it
+            entries = [wire.from_fields(f) for _, f in sched.r.xrange(sched.keys.tasks(0))]
+            assert [m.steps_left for m in entries if isinstance(m, wire.Handover)] == [3, 2, 1, 0]
         finally:
             weights_redis.close()
     assert [s.step for s in history] == [0, 1, 2, 3] and steps == history

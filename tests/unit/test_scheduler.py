@@ -647,6 +647,65 @@ def test_backup_limit_backs_up_the_groups_with_the_oldest_members_first(limit):
     assert (late.key.group, late.key.sample) == (g1, 2) and slow1 in d.running()
 
 
+def _ending(left: int = 1, **config) -> Driver:
+    """Three groups of two (two extra samples each, held back as straggler backups that the
+    bound never calls for), one sample of group 0 admitted, and step 0, with `left` steps
+    after it, trained."""
+    d = _stream(inflight_samples=8, admit=1, groups=2, oversample=2, max_lag=3, ahead=1,
+                oversample_start="straggler", **config)
+    d.register(0, n=3)
+    g0, g1, _ = d.groups()
+    d.finish(d.running_of(g0)[0], oldest=0)
+    assert of(Submit, d.handover(0, updates=0, steps_left=left)) == []  # not among the last
+    assert of(Emit, d.finish_group(g1, oldest=0))
+    return d
+
+
+def test_end_backups_back_up_every_running_sample_in_the_runs_last_steps():
+    d = _ending(end_backups=1)
+    g0, g2 = sorted(d.sched.live_groups())
+    straggler = d.running_of(g0)[0]
+    backups = of(Submit, d.handover(1, updates=1, steps_left=0))  # the run's last step
+    # one backup per running sample, from the group's extra samples, the groups in order
+    assert [(b.key.group, b.key.sample, b.key.attempt) for b in backups] == [(g0, 2, 0), (g2, 2, 0), (g2, 3, 0)]
+    assert all(b.cause is None for b in backups) and d.sched.in_flight + d.sched.credits == 8
+    acts = d.finish(backups[0].key, oldest=1)  # g0's backup wins: its straggler is surplus
+    assert Cancel(straggler, "surplus") in of(Cancel, acts)
+    (emit,) = of(Emit, acts)
+    assert emit.record.backups == 3 and emit.groups[0].group == g0
+    # the run's end is trained: nothing more is backed up, whatever finishes
+    assert of(Submit, d.finish(backups[1].key, oldest=1)) == []
+
+
+@pytest.mark.parametrize("config, left", [({"end_backups": 1}, 1), ({"end_backups": 1}, None),
+                                          ({}, 0)])
+def test_end_backups_wait_for_the_runs_last_steps(config, left):
+    """Not one of the last `end_backups` steps, a trainer that does not say when its run
+    ends, or `end_backups` off: no backup."""
+    d = _ending(**config)
+    assert of(Submit, d.handover(1, updates=1, steps_left=left)) == []
+
+
+def test_end_backups_back_up_a_group_started_in_the_runs_last_steps():
+    d = _ending(2, end_backups=2)
+    g0, g2 = sorted(d.sched.live_groups())
+    d.handover(1, updates=1, steps_left=1)  # steps 1 and 2 are the last two
+    assert len(d.running()) == 6 and d.sched.credits == 2  # 3 running, and their 3 backups
+    (emit,) = of(Emit, d.finish_group(g0, oldest=1))  # its straggler wins, its backup is cut
+    assert emit.groups[0].group == g0
+    d.register(1, n=1)  # a group started in the run's last steps gets its backups as well
+    d.handover(2, updates=2, steps_left=0)
+    (g3,) = set(d.sched.live_groups()) - {g2}
+    assert sorted(k.sample for k in d.running_of(g3)) == [0, 1, 2, 3]
+
+
+def test_end_backups_need_stream_admission_and_extra_samples():
+    with pytest.raises(ValueError, match="end_backups=2 needs admission='stream'"):
+        SchedulerConfig(oversample=1, end_backups=2)
+    with pytest.raises(ValueError, match="end_backups=1 needs oversample >= 1"):
+        SchedulerConfig(admission="stream", end_backups=1)
+
+
 def test_backup_limit_cannot_be_below_oversample():
     with pytest.raises(ValueError, match="backup_limit=1 is below oversample=2"):
         SchedulerConfig(admission="stream", groups=2, oversample=2, oversample_start="straggler",

@@ -44,6 +44,8 @@ def configs(draw, admission=None, replacing=False):
         cfg["group_start"] = draw(st.sampled_from(["any", "handover"]))
         if cfg["oversample_start"] == "straggler":
             cfg["backup_limit"] = draw(st.sampled_from([None, max(1, oversample), oversample + 1]))
+        if oversample:
+            cfg["end_backups"] = draw(st.sampled_from([0, 0, 1, 2]))
     cfg["stale_running"] = draw(st.sampled_from(["cancel", "finish"]))
     return cfg
 
@@ -64,6 +66,7 @@ class Run:
         self.failures: Counter = Counter()
         self.timeouts: Counter = Counter()  # timeout cancels per (epoch, group, sample)
         self._seen = 0  # actions already checked
+        self.final: int | None = None  # the run's last step, as the latest handover said
 
     def draw(self, strategy):
         return self.data.draw(strategy)
@@ -122,7 +125,9 @@ class Run:
                     assert stragglers_left(sched) == [], "a group due a backup left without it"
 
             sched._on_handover = checked
-        self.d.handover(updates=self.d.updates + self.draw(self.jumps))
+        left = self.draw(st.sampled_from([None, 0, 1, 2, 3]))
+        self.d.handover(updates=self.d.updates + self.draw(self.jumps), steps_left=left)
+        self.final = None if left is None else self.d.step + left
         sched.__dict__.pop("_on_handover", None)
         if self.cfg["admission"] == "stream":
             assert sched._broken or stale_left(sched) == [], "a stale member left in a waiting group"
@@ -198,6 +203,8 @@ class Run:
                 assert sched.credits < cfg["groups"] + cfg["oversample"]  # handovers, credits wait
         if cfg.get("oversample_start") == "replace":
             assert replacements_left(sched) == [], "an ageing member left without its replacement"
+        if cfg.get("end_backups"):
+            assert end_backups_left(sched, self.final) == [], "a group of the run's last steps left without backups"
 
 
 def stale_left(sched) -> list[tuple[int, int]]:
@@ -235,6 +242,19 @@ def replacements_left(sched) -> list[tuple[int, int]]:
     aging, queued = sched.updates - sched.config.max_lag, sched._queued()
     return [(g.id, i) for g in sched._groups.values() if not g.complete for i in g.admitted
             if g.samples[i].oldest <= aging and i not in g.replaced and sched._spare(g, queued)]
+
+
+def end_backups_left(sched, final: int | None) -> list[int]:
+    """end_backups: while the trainer waits for one of the run's last `end_backups` steps
+    (`final`: the run's last step), the groups that a look through every group finds not
+    complete, not backed up, with samples running and extra samples never run."""
+    pending, k = sched.pending_step, sched.config.end_backups
+    if pending is None or final is None or pending <= final - k or sched._broken:
+        return []
+    cfg = sched.config
+    return [g.id for g in sched._groups.values()
+            if not g.complete and not g.backed_up and any(s.state == _RUNNING for s in g.samples)
+            and any(s.state == _IDLE and s.attempt < 0 for s in g.samples[cfg.groups:])]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -89,6 +89,28 @@ def test_groups_started_as_the_trainer_hands_over_go_stale_less_at_max_lag_1():
     assert handover["lag_max"] <= 1 and handover["steps"] == 12
 
 
+def test_backups_in_the_runs_last_two_steps_bring_its_end_sooner_and_leave_the_steps_before_alone():
+    """`end_backups` 2 on heavy-tailed sessions at max_lag 4 (12 steps, one call as each
+    session ends): the ten steps before the run's last two go exactly as without it; the
+    last two back up every running member of the groups not yet complete, and the twelfth
+    step comes sooner, every trained member within the bound."""
+    from rollstream.simulate import Simulation
+
+    def steps(end_backups: int) -> list:
+        config = SchedulerConfig(admission="stream", groups=8, oversample=4, ahead=4, max_lag=4,
+                                 batch_size=32, inflight_samples=272, oversample_start="replace",
+                                 replace_ahead=0.4, stale_running="finish", end_backups=end_backups)
+        work = Workload(slots=256, batch_size=32, median_s=1.0, sigma=1.0, train_s=0.02, seed=3,
+                        status_mix={"completed": 1.0}, call_at_end=True)
+        return list(Simulation(config, work).steps(12))
+
+    plain, ending = steps(0), steps(2)
+    assert [(r.time_s, r.record) for r in ending[:10]] == [(r.time_s, r.record) for r in plain[:10]]
+    assert ending[11].time_s < plain[11].time_s - 0.3
+    assert sum(r.record.backups for r in ending[10:]) > sum(r.record.backups for r in plain[10:]) + 100
+    assert all(r.record.lag <= 4 for r in ending)
+
+
 def test_a_scheduler_restored_mid_run_goes_on_replacing_exactly_like_the_original():
     from rollstream.simulate import Simulation
 

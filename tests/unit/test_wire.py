@@ -66,6 +66,8 @@ EXAMPLES = [
     Registration(0, 0, 0, ()),
     Handover(0, 1, 5, 5, None),
     Handover(0, 1, 5, 5, 4),
+    Handover(0, 1, 5, 5, 4, 0),
+    Handover(0, 1, 5, 5, None, 11),
     Work(0, 1, 2, 3, 1, TASK, 4, 1.7e9, "stale"),
     Work(0, 1, 2, 3, 0, TASK, 4),
     Cancel(0, 1, 2, 3, 1, "stale"),
@@ -637,7 +639,7 @@ arrays = st.dictionaries(
 MESSAGES = {  # a strategy per message kind
     Open: st.builds(Open, u, u),
     Registration: st.builds(Registration, u, u, u, st.lists(tasks, max_size=3).map(tuple)),
-    Handover: st.builds(Handover, u, u, u, u, st.none() | u),
+    Handover: st.builds(Handover, u, u, u, u, st.none() | u, st.none() | u),
     Work: st.builds(Work, *sample_key, tasks, u, st.none() | nonneg, st.none() | st.sampled_from(wire.CAUSES)),
     Cancel: st.builds(Cancel, *sample_key, st.text(min_size=1, max_size=8)),
     Result: st.builds(

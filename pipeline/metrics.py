@@ -243,8 +243,9 @@ class Metrics:
         self.samples_backed_up = counter(
             "samples_backed_up_total", "Extra rollouts queued as backups of a group's "
             "stragglers (stream admission, oversample_start=straggler; capped by "
-            "backup_limit) or as replacements of its members about to go stale "
-            "(oversample_start=replace), from the SchedulerRecords.", ("shard",))
+            "backup_limit), as replacements of its members about to go stale "
+            "(oversample_start=replace), or as backups of every straggler in the run's last "
+            "steps (end_backups), from the SchedulerRecords.", ("shard",))
         self.rollouts_overlong = counter(
             "rollouts_overlong_total", "Results with a chain longer than a packed row, cut "
             "to the row width and admitted as TRUNCATED (they train under the truncation "

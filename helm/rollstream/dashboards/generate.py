@@ -85,8 +85,9 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
           (rate("rollstream_groups_surplus_total", "shard"), "surplus {{shard}}")]),
         ("Straggler backups and replacements / s", "timeseries", "ops",
          ("Extra rollouts queued as backups of a group's stragglers (stream admission, "
-         "oversample_start=straggler; backup_limit caps how many run at once) or as "
-         "replacements of its members about to go stale (oversample_start=replace), per shard."),
+         "oversample_start=straggler; backup_limit caps how many run at once), as "
+         "replacements of its members about to go stale (oversample_start=replace), or as "
+         "backups of every straggler in the run's last steps (end_backups), per shard."),
          [(rate("rollstream_samples_backed_up_total", "shard"), "shard {{shard}}")]),
         ("Over-long rollouts / s", "timeseries", "ops",
          ("Results with a chain longer than a packed row, cut to the row width and trained "

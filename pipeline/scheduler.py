@@ -584,8 +584,8 @@ class Scheduler:
         viable = sum(s.state in (_ADMITTED, _RUNNING, _IDLE) for s in group.samples)
         if viable < self.config.groups:
             self._abandon(group, cause, out)
-        elif self.config.oversample_start == "straggler" and not group.backed_up:
-            self._back_up(group)  # it can only complete with its extra samples now
+        elif self.config.oversample_start == "straggler":
+            self._back_up(group)  # it can only complete with its extra samples now (those left)
         elif self.config.oversample_start == "replace":
             self._queue_spares(group)
 
@@ -808,8 +808,10 @@ class Scheduler:
         """oversample_start="replace", while the trainer waits for a step that lacks at most
         `replace_ahead` of its groups: every admitted member of a waiting group that the next
         handover will make stale gets a replacement, queued for a credit like a resubmission
-        (the first `groups` of the group to finish are admitted, as with any oversample)."""
-        if self._pending is None:
+        (the first `groups` of the group to finish are admitted, as with any oversample). Not in
+        the run's last step, when a handover said which it is: no handover follows it to make a
+        member stale."""
+        if self._pending is None or (self._final_step is not None and self._pending >= self._final_step):
             return
         target = self._admit_default
         if target - len(self._complete) > self.config.replace_ahead * target:
@@ -895,21 +897,26 @@ class Scheduler:
 
     def _backups_in_flight(self) -> int:
         """Extra samples of backed-up groups still waiting for their result: running, or
-        queued for a credit."""
+        queued for a credit (an end backup may leave some of a group's never queued)."""
         for gid, group in list(self._backed_up.items()):
             if self._groups.get(gid) is not group:
                 del self._backed_up[gid]  # trained or dropped
-        return sum(s.state in (_RUNNING, _IDLE)
+        queued = self._queued()
+        return sum(s.state == _RUNNING or id(s) in queued
                    for g in self._backed_up.values() if not g.complete
                    for s in g.samples[self.config.groups:])
 
     def _back_up(self, group: _Group, most: int | None = None) -> None:
-        """Queue `group`'s extra samples never run (the first `most` of them, when given),
-        first attempts that wait for credits like resubmissions."""
+        """Queue `group`'s extra samples never run nor queued yet (the first `most` of them,
+        when given), first attempts that wait for credits like resubmissions. Only a backup
+        or a replacement queues an extra sample, so a group never backed up has none queued
+        outside `replace`."""
+        queued = self._queued() if group.backed_up or self._replacing else set()
         group.backed_up = True
         if self.config.backup_limit is not None:  # `_backups_in_flight` counts them
             self._backed_up[group.id] = group
-        extras = [s for s in group.samples[self.config.groups:] if s.state == _IDLE and s.attempt < 0]
+        extras = [s for s in group.samples[self.config.groups:]
+                  if s.state == _IDLE and s.attempt < 0 and id(s) not in queued]
         for sample in extras[:most]:
             self._resubmit.append((group, sample, None))
             self._counts["backups"] += 1

@@ -699,6 +699,24 @@ def test_end_backups_back_up_a_group_started_in_the_runs_last_steps():
     assert sorted(k.sample for k in d.running_of(g3)) == [0, 1, 2, 3]
 
 
+def test_a_group_an_end_backup_left_short_by_failures_runs_its_other_extra_samples():
+    """An end backup takes one extra sample per running one; a sample that fails for good
+    then queues the others, as it does in a group not backed up (else, once the backup
+    failed too, the group could complete only with a sample nothing would run)."""
+    d = _stream(inflight_samples=3, groups=1, oversample=2, max_attempts=1,
+                oversample_start="straggler", end_backups=1)
+    d.register(0, n=1)
+    (g0,) = d.groups()
+    (first,) = d.running_of(g0)
+    (backup,) = of(Submit, d.handover(0, updates=0, steps_left=0))
+    assert backup.key.sample == 1
+    (last,) = of(Submit, d.finish(first, status=Status.INFRA_ERROR, reward=None))
+    assert (last.key.group, last.key.sample) == (g0, 2)
+    assert of(Submit, d.finish(backup.key, status=Status.INFRA_ERROR, reward=None)) == []
+    (emit,) = of(Emit, d.finish(last.key))
+    assert emit.groups[0].samples == (last.key,)
+
+
 def test_end_backups_need_stream_admission_and_extra_samples():
     with pytest.raises(ValueError, match="end_backups=2 needs admission='stream'"):
         SchedulerConfig(oversample=1, end_backups=2)
@@ -747,6 +765,21 @@ def test_replace_oversample_replaces_each_member_the_next_handover_makes_stale_a
     (trained,) = emit.groups
     assert {k.sample for k in trained.samples} == {straggler.sample, 3, 4}
     assert emit.record.resubmitted["stale"] == 0
+
+
+@pytest.mark.parametrize("left, replaced", [(None, True), (1, True), (0, False)])
+def test_replace_oversample_replaces_nothing_in_the_runs_last_step(left, replaced):
+    """No handover follows the run's last step to make a member stale: a trainer that says
+    the step is its last gets no replacements for it."""
+    d = _replacing()
+    d.register(0, n=3)
+    g0, g1, _ = d.groups()
+    d.handover(0, updates=1, steps_left=left)
+    a, b, _ = d.running_of(g0)
+    d.finish(a, oldest=0)
+    d.finish(b, oldest=0)
+    acts = d.finish_group(g1, oldest=1)  # the step lacks one group: a and b are due
+    assert len(of(Submit, acts)) == (2 if replaced else 0)
 
 
 def test_members_admitted_before_a_restore_get_their_replacements_as_they_age_after_it():

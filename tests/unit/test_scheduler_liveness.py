@@ -61,13 +61,13 @@ class Drain:
     def one_event(self) -> bool:
         """One event of the drain; whether it made progress (a result arrived, something
         was submitted, or a task ended)."""
-        d, sched, draw = self.d, self.d.sched, self.run.draw
+        d, sched = self.d, self.d.sched
         before, outstanding = len(d.actions), self._outstanding()
         if d.running() and sched.pending_step is not None:
             self.run.op_finish()
             return True
         if sched.pending_step is None:
-            d.handover(updates=d.updates + draw(self.run.jumps))
+            self.run.op_handover()  # its updates jump, and the run's end it may name
         elif self.cfg["timeout_s"] is not None and d.running():
             d.tick(self.cfg["timeout_s"])
         else:

@@ -202,7 +202,7 @@ class Run:
             if sched._tasks and not sched._broken and starts:  # group_start="handover": between
                 assert sched.credits < cfg["groups"] + cfg["oversample"]  # handovers, credits wait
         if cfg.get("oversample_start") == "replace":
-            assert replacements_left(sched) == [], "an ageing member left without its replacement"
+            assert replacements_left(sched, self.final) == [], "an ageing member left without its replacement"
         if cfg.get("end_backups"):
             assert end_backups_left(sched, self.final) == [], "a group of the run's last steps left without backups"
 
@@ -233,11 +233,14 @@ def stragglers_left(sched) -> list[int]:
     return [gid for _, gid, _ in due]
 
 
-def replacements_left(sched) -> list[tuple[int, int]]:
+def replacements_left(sched, final: int | None) -> list[tuple[int, int]]:
     """oversample_start="replace": the (group, member) pairs that a look through every group
-    would give a replacement now (the machine keeps only the groups that may need one)."""
+    would give a replacement now (the machine keeps only the groups that may need one); none
+    in the run's last step (`final`, as the latest handover said), which no handover follows."""
     target = sched._admit_default
     if sched.pending_step is None or target - len(sched._complete) > sched.config.replace_ahead * target:
+        return []
+    if final is not None and sched.pending_step >= final:
         return []
     aging, queued = sched.updates - sched.config.max_lag, sched._queued()
     return [(g.id, i) for g in sched._groups.values() if not g.complete for i in g.admitted

@@ -811,7 +811,7 @@ class Scheduler:
         (the first `groups` of the group to finish are admitted, as with any oversample). Not in
         the run's last step, when a handover said which it is: no handover follows it to make a
         member stale."""
-        if self._pending is None or (self._final_step is not None and self._pending >= self._final_step):
+        if self._pending is None or self._in_last_steps(1):
             return
         target = self._admit_default
         if target - len(self._complete) > self.config.replace_ahead * target:
@@ -906,27 +906,35 @@ class Scheduler:
                    for g in self._backed_up.values() if not g.complete
                    for s in g.samples[self.config.groups:])
 
-    def _back_up(self, group: _Group, most: int | None = None) -> None:
+    def _back_up(self, group: _Group, most: int | None = None, queued: set[int] | None = None) -> None:
         """Queue `group`'s extra samples never run nor queued yet (the first `most` of them,
-        when given), first attempts that wait for credits like resubmissions. Only a backup
-        or a replacement queues an extra sample, so a group never backed up has none queued
-        outside `replace`."""
-        queued = self._queued() if group.backed_up or self._replacing else set()
+        when given), first attempts that wait for credits like resubmissions; `queued`, when
+        given, is `_queued()`'s set, kept up to date here. Only a backup or a replacement
+        queues an extra sample, so a group never backed up has none queued outside `replace`."""
+        if queued is None:
+            queued = self._queued() if group.backed_up or self._replacing else set()
         group.backed_up = True
         if self.config.backup_limit is not None:  # `_backups_in_flight` counts them
             self._backed_up[group.id] = group
         extras = [s for s in group.samples[self.config.groups:]
                   if s.state == _IDLE and s.attempt < 0 and id(s) not in queued]
         for sample in extras[:most]:
+            queued.add(id(sample))
             self._resubmit.append((group, sample, None))
             self._counts["backups"] += 1
 
     def _begin_ending(self) -> None:
         """end_backups, at a handover: whether the step called for is one of the run's last
         `end_backups` steps; if so, every live group is looked at for backups."""
-        final, k = self._final_step, self.config.end_backups
-        self._ending = bool(k) and final is not None and self._pending is not None and self._pending > final - k
+        k = self.config.end_backups
+        self._ending = bool(k) and self._in_last_steps(k)
         self._end_candidates = set(self._groups) if self._ending else set()
+
+    def _in_last_steps(self, n: int) -> bool:
+        """Whether the trainer waits for one of its run's last `n` steps, as its latest
+        handover said (False when it did not say)."""
+        final, pending = self._final_step, self._pending
+        return final is not None and pending is not None and pending > final - n
 
     def _back_up_ending(self) -> None:
         """end_backups, while the trainer waits for one of the run's last steps: each group
@@ -934,13 +942,15 @@ class Scheduler:
         per running sample, from its extra samples never run (counted with `backup_limit`'s,
         never held back by it)."""
         candidates, self._end_candidates = self._end_candidates, set()
+        # the groups looked at are not backed up: only replacements may have queued extras
+        queued = self._queued() if self._replacing else set()
         for gid in sorted(candidates):  # the order the groups were made in
             group = self._groups.get(gid)
             if group is None or group.complete or group.backed_up:
                 continue
             running = sum(s.state == _RUNNING for s in group.samples)
             if running:
-                self._back_up(group, running)
+                self._back_up(group, running, queued)
 
     def _resubmit_sample(self, group: _Group, sample: _Sample, cause: str, out: list[Action]) -> None:
         self._resubmitted[cause] += 1

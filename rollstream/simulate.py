@@ -174,7 +174,7 @@ class Simulation:
         for _ in range(self.config.registered_ahead + 1):
             acts += self._register()
         self._steps = n
-        acts += self.sched.handle(Handover(0, self._updates, steps_left=n - 1), self.now)
+        acts += self._handover(0)
         emitted = 0
         while emitted < n:
             for emit in self._apply(acts):
@@ -202,8 +202,11 @@ class Simulation:
     def _trained(self, step: int) -> list:
         self._updates += 1
         acts = self._register()  # the trainer's prefetch reads the next batch
-        left = self._steps - step - 2  # the steps after step + 1
-        return acts + self.sched.handle(Handover(step + 1, self._updates, steps_left=left), self.now)
+        return acts + self._handover(step + 1)
+
+    def _handover(self, step: int) -> list:
+        """The trainer calls for `step`, saying how many steps of the run follow it."""
+        return self.sched.handle(Handover(step, self._updates, steps_left=self._steps - step - 1), self.now)
 
     # ------------------------------------------------------------------ slots
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rollstream.bench_schedule import push_interval, workload_for
-from rollstream.group_window import GroupPolicy, PushIntervals, best_group_policy, group_waste, policy_grid
+from rollstream.group_window import (GroupPolicy, PushIntervals, SessionLengths, best_group_policy, group_waste,
+                                     improvement_step, policy_grid)
 
 W = workload_for(False, median_ms=1000.0)
 SHARE = 0.598  # `batch`'s share at max_lag 1 in BENCHMARKS.md: a push every 2.74 s
@@ -132,3 +133,40 @@ def test_push_cv_needs_pushes_and_cannot_be_negative():
     for pushes, cv in ((True, -0.1), (False, 0.5)):
         with pytest.raises(ValueError, match="push_cv"):
             group_waste(W, 1, SHARE, GroupPolicy(), pushes, groups=10, push_cv=cv)
+
+
+def test_a_running_attempts_length_is_drawn_given_its_age():
+    sessions = SessionLengths(W)
+    rng = random.Random(0)
+    population = np.minimum(np.exp(np.random.default_rng(8).normal(0.0, 1.0, 400000)), 20.0)
+    for age in (0.0, 0.5, 2.0, 6.0):
+        draws = np.array([sessions.given_age(rng, age) for _ in range(40000)])
+        assert draws.min() >= age and draws.max() <= 20.0
+        tail = population[population > age]
+        assert abs(draws.mean() / tail.mean() - 1) < 0.03
+        assert abs(np.median(draws) / np.median(tail) - 1) < 0.03
+    assert sessions.given_age(rng, 25.0) == 25.0  # past the cap it should have landed: no draw is shorter
+
+
+def test_the_improvement_step_leaves_a_rule_that_wastes_nothing_as_it_is():
+    push = push_interval(W, SHARE, W["mean_session_s"])
+    lag = math.ceil(20.0 / push)  # every result outlives every session: the rule wastes nothing
+    out = improvement_step(W, lag, SHARE, GroupPolicy(start_phase=0.0), groups=20, continuations=8)
+    assert out["theta"] == 0.0
+    assert out["rule_waste_share"] == out["improved_waste_share"] == 0.0
+    # an extra attempt or a give-up only adds waste and fewer starts gain nothing, so the
+    # rule's option is taken at every event: the start and each landing but the last
+    assert out["options_taken"] == {"rule": 20 * W["groups"], "fewer": 0, "more": 0, "give_up": 0}
+
+
+def test_the_improvement_step_gains_clearly_on_a_rule_that_only_replaces_what_ages_out():
+    out = improvement_step(W, 1, SHARE, GroupPolicy(start_phase=0.0), groups=120, continuations=24, seed=2)
+    # the groups' waste is heavy-tailed, so 120 of them measure the gain only roughly
+    assert out["gain"] > max(0.02, out["gain_se"])
+    # what it gains by: attempts started before their results age out, as `lead_s` does
+    assert out["options_taken"]["more"] > 10 * out["options_taken"]["fewer"]
+
+
+def test_the_improvement_step_needs_groups_and_continuations_to_compare():
+    with pytest.raises(ValueError, match="continuations=1"):
+        improvement_step(W, 1, SHARE, GroupPolicy(), groups=10, continuations=1)

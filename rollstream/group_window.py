@@ -264,9 +264,14 @@ def _handle(group: _Group, size: int, policy: GroupPolicy, ages_out, now: float,
 def _give_up_old(group: _Group, now: float, older_than: float) -> None:
     for j, (start, _) in list(group.running.items()):
         if now - start > older_than:
-            group.busy += now - start
-            group.wasted["given_up"] += now - start
-            del group.running[j]
+            _give_up(group, j, now)
+
+
+def _give_up(group: _Group, i: int, now: float) -> None:
+    """Gives up running attempt `i`: its slot-seconds so far are busy, and wasted."""
+    start, _ = group.running.pop(i)
+    group.busy += now - start
+    group.wasted["given_up"] += now - start
 
 
 def policy_grid(pushes: bool) -> tuple[GroupPolicy, ...]:
@@ -380,21 +385,22 @@ class _Improver:
 
     def _choose(self, group: _Group, now: float) -> _Option:
         ruled = _to_start(group, self.size, self.rule)
+        rules = _Option(ruled)
         options = [_Option(n) for n in sorted({max(0, ruled + k) for k in range(-2, 4)})]
         if group.running:
             options.append(_Option(ruled, give_up=True))
         self.decisions += 1
         scores = {o: self._scores(group, now, o) for o in options}
-        base = scores[_Option(ruled)]
-        best, gain, se = _Option(ruled), 0.0, 0.0
+        base = scores[rules]
+        best, gain, se = rules, 0.0, 0.0
         for option, score in scores.items():
             diffs = [b - s for b, s in zip(base, score)]
             mean = statistics.fmean(diffs)
             if mean > gain:
                 best, gain, se = option, mean, statistics.stdev(diffs) / math.sqrt(len(diffs))
-        if best == _Option(ruled) or gain <= 2 * se:
+        if best == rules or gain <= 2 * se:
             self.taken["rule"] += 1
-            return _Option(ruled)
+            return rules
         self.taken["give_up" if best.give_up else "fewer" if best.starts < ruled else "more"] += 1
         return best
 
@@ -414,10 +420,7 @@ class _Improver:
 
     def _apply(self, group: _Group, option: _Option, now: float, draw: Callable[[], float]) -> None:
         if option.give_up:
-            oldest = min(group.running, key=lambda i: group.running[i][0])
-            start, _ = group.running.pop(oldest)
-            group.busy += now - start
-            group.wasted["given_up"] += now - start
+            _give_up(group, min(group.running, key=lambda i: group.running[i][0]), now)
             _top_up(group, self.size, self.rule, draw, now)
             return
         for _ in range(option.starts):

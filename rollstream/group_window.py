@@ -101,13 +101,11 @@ def group_waste(workload: dict, lag: int, share: float, policy: GroupPolicy, pus
     push_s = push_interval(workload, share, mean)
     draw = sessions.drawer(rng)
     intervals = PushIntervals(rng, push_s, push_cv) if push_cv > 0 else None
-    steady = _steady_ages_out(lag, push_s)
+    fixed = _fixed_ages_out(lag, push_s, pushes)
 
     def ages_out(group: _Group, landed_at: float) -> float:
-        if not pushes:
-            return landed_at + (lag + 1) * push_s
         if intervals is None or group.pushes is None:
-            return steady(group, landed_at)
+            return fixed(group, landed_at)
         times = group.pushes
         while times[-1] <= landed_at:
             times.append(times[-1] + intervals.draw())
@@ -173,6 +171,20 @@ def _steady_ages_out(lag: int, push_s: float) -> Callable[[_Group, float], float
     def ages_out(group: _Group, landed_at: float) -> float:
         interval = math.floor((landed_at - group.push_zero) / push_s)
         return group.push_zero + (interval + lag + 1) * push_s
+    return ages_out
+
+
+def _fixed_ages_out(lag: int, push_s: float, pushes: bool) -> Callable[[_Group, float], float]:
+    """When a result ages out, the trainer pushing every `push_s`: at the pushes, or with the
+    window relaxed (`pushes=False`)."""
+    return (_steady_ages_out if pushes else _window_ages_out)(lag, push_s)
+
+
+def _window_ages_out(lag: int, push_s: float) -> Callable[[_Group, float], float]:
+    """When a result landed at `landed_at` ages out with the window relaxed (`pushes=False`):
+    (`lag` + 1) x `push_s` after it lands, the longest life steady pushes give a result."""
+    def ages_out(group: _Group, landed_at: float) -> float:
+        return landed_at + (lag + 1) * push_s
     return ages_out
 
 
@@ -309,10 +321,11 @@ class _Option:
 
 
 def improvement_step(workload: dict, lag: int, share: float, rule: GroupPolicy, groups: int = 1000,
-                     continuations: int = 60, seed: int = 0, theta: float | None = None) -> dict:
+                     continuations: int = 60, seed: int = 0, theta: float | None = None,
+                     pushes: bool = True) -> dict:
     """One step of policy improvement from `rule`, the trainer pushing every P seconds (P at
-    `share`, as in `group_waste`), on `groups` groups, each run under `rule` and under the
-    improved policy from the same draws.
+    `share`, as in `group_waste`; with `pushes=False` the window relaxed as there), on
+    `groups` groups, each run under `rule` and under the improved policy from the same draws.
 
     At each event (the start, a landing, a replacement's time, an age-out) the improved
     policy scores every option (`_Option`: 2 fewer to 3 more starts than `rule` makes, or
@@ -333,8 +346,8 @@ def improvement_step(workload: dict, lag: int, share: float, rule: GroupPolicy, 
     sessions = SessionLengths(workload)
     push_s = push_interval(workload, share, sessions.mean)
     if theta is None:
-        theta = group_waste(workload, lag, share, rule, True, 4 * groups, seed + 1)["waste_share"]
-    ages_out = _steady_ages_out(lag, push_s)
+        theta = group_waste(workload, lag, share, rule, pushes, 4 * groups, seed + 1)["waste_share"]
+    ages_out = _fixed_ages_out(lag, push_s, pushes)
     size = workload["groups"]
     runs: list[tuple[float, float, float, float]] = []  # rule's wasted, busy; improved's
     taken = {"rule": 0, "fewer": 0, "more": 0, "give_up": 0}
@@ -346,8 +359,8 @@ def improvement_step(workload: dict, lag: int, share: float, rule: GroupPolicy, 
         better = _Improver(sessions, size, rule, ages_out, theta, continuations, f"{seed}:{g}", taken)
         improved = better.run(group, sessions.drawer(random.Random(f"{seed}:{g}")))
         runs.append((base.busy - trained, base.busy, group.busy - improved, group.busy))
-    return {"max_lag": lag, "share": share, "push_interval_s": round(push_s, 4), "rule": asdict(rule),
-            "groups": groups, "continuations": continuations, "theta": theta, **_paired(runs),
+    return {"max_lag": lag, "share": share, "push_interval_s": round(push_s, 4), "pushes": pushes,
+            "rule": asdict(rule), "groups": groups, "continuations": continuations, "theta": theta, **_paired(runs),
             "options_taken": taken}
 
 

@@ -170,3 +170,12 @@ def test_the_improvement_step_gains_clearly_on_a_rule_that_only_replaces_what_ag
 def test_the_improvement_step_needs_groups_and_continuations_to_compare():
     with pytest.raises(ValueError, match="continuations=1"):
         improvement_step(W, 1, SHARE, GroupPolicy(), groups=10, continuations=1)
+
+
+def test_the_improvement_step_runs_on_the_relaxed_window_too():
+    steady = improvement_step(W, 1, SHARE, GroupPolicy(), groups=60, continuations=4, seed=5)
+    relaxed = improvement_step(W, 1, SHARE, GroupPolicy(), groups=60, continuations=4, seed=5, pushes=False)
+    assert steady["pushes"] is True and relaxed["pushes"] is False
+    assert relaxed["theta"] == group_waste(W, 1, SHARE, GroupPolicy(), False, 4 * 60, 6)["waste_share"]
+    # the same sessions, each result living as long as steady pushes let any: the rule wastes less
+    assert relaxed["rule_waste_share"] < steady["rule_waste_share"] - 0.03

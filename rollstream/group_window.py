@@ -165,27 +165,18 @@ class SessionLengths:
 _NORMAL = statistics.NormalDist()
 
 
-def _steady_ages_out(lag: int, push_s: float) -> Callable[[_Group, float], float]:
+def _fixed_ages_out(lag: int, push_s: float, pushes: bool) -> Callable[[_Group, float], float]:
     """When a result landed at `landed_at` ages out, the trainer pushing every `push_s` from
-    the group's push 0: at push v + `lag` + 1, v the interval it landed in."""
-    def ages_out(group: _Group, landed_at: float) -> float:
+    the group's push 0: at push v + `lag` + 1, v the interval it landed in; or, with the
+    window relaxed (`pushes=False`), (`lag` + 1) x `push_s` after it lands, the longest life
+    steady pushes give a result."""
+    def at_pushes(group: _Group, landed_at: float) -> float:
         interval = math.floor((landed_at - group.push_zero) / push_s)
         return group.push_zero + (interval + lag + 1) * push_s
-    return ages_out
 
-
-def _fixed_ages_out(lag: int, push_s: float, pushes: bool) -> Callable[[_Group, float], float]:
-    """When a result ages out, the trainer pushing every `push_s`: at the pushes, or with the
-    window relaxed (`pushes=False`)."""
-    return (_steady_ages_out if pushes else _window_ages_out)(lag, push_s)
-
-
-def _window_ages_out(lag: int, push_s: float) -> Callable[[_Group, float], float]:
-    """When a result landed at `landed_at` ages out with the window relaxed (`pushes=False`):
-    (`lag` + 1) x `push_s` after it lands, the longest life steady pushes give a result."""
-    def ages_out(group: _Group, landed_at: float) -> float:
+    def after_landing(group: _Group, landed_at: float) -> float:
         return landed_at + (lag + 1) * push_s
-    return ages_out
+    return at_pushes if pushes else after_landing
 
 
 class PushIntervals:
